@@ -17,10 +17,11 @@ The same ``__call__`` serves training (no cache) and the rollout engine (a KV ca
 from __future__ import annotations
 
 import math
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from fp8rl_jax.fp8 import BLOCK_SIZE, E4M3, w8a8_block_matmul
@@ -299,6 +300,17 @@ class CausalLM(nnx.Module):
 def positions_from_mask(mask: jax.Array) -> jax.Array:
     """RoPE positions for left-padded rows: ``cumsum(mask) - 1`` clipped at 0. ``mask [B, S]`` -> int32 ``[B, S]``."""
     return jnp.maximum(jnp.cumsum(mask.astype(jnp.int32), axis=-1) - 1, 0)
+
+
+def left_pad(prompts: Sequence[Sequence[int]], pad_id: int, bucket: int = 16) -> tuple[np.ndarray, np.ndarray]:
+    """Left-pad prompts to a multiple of ``bucket``: ``(ids int32 [B, P], mask bool [B, P])``."""
+    p = bucket * -(-max(len(x) for x in prompts) // bucket)
+    ids = np.full((len(prompts), p), pad_id, np.int32)
+    mask = np.zeros((len(prompts), p), bool)
+    for i, x in enumerate(prompts):
+        ids[i, p - len(x):] = x
+        mask[i, p - len(x):] = True
+    return ids, mask
 
 
 def param_name(path: tuple) -> str:

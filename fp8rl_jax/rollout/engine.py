@@ -12,7 +12,6 @@ Weights are bf16/float32 dense or FP8 W8A8 blockwise (``precision``), and are re
 from __future__ import annotations
 
 import functools
-import math
 import time
 from typing import Sequence
 
@@ -22,7 +21,7 @@ import numpy as np
 from flax import nnx
 
 from fp8rl_jax.models.config import ModelConfig
-from fp8rl_jax.models.decoder import KVCache, param_name, positions_from_mask
+from fp8rl_jax.models.decoder import KVCache, left_pad, param_name, positions_from_mask
 from fp8rl_jax.models.loading import build_model
 from fp8rl_jax.rollout.sampling import sample_tokens
 from fp8rl_jax.rollout.types import ExportedWeights, RolloutBatch, SamplingParams
@@ -116,20 +115,17 @@ class JaxRolloutEngine:
             raise StaleWeightsError(f"engine weights are version {self.weights_version}, trainer expects "
                                     f"{expected_version}: call update_weights first")
         sp = sampling_params
-        rows = [list(p) for p in prompt_token_ids for _ in range(sp.n)]
-        if not rows or any(len(r) == 0 for r in rows):
+        prompts = [list(p) for p in prompt_token_ids]
+        if not prompts or any(len(r) == 0 for r in prompts):
             raise ValueError("generate: every prompt needs at least one token")
-        flat = np.concatenate([np.asarray(r) for r in rows])
+        flat = np.concatenate([np.asarray(r) for r in prompts])
         if flat.min() < 0 or flat.max() >= self.config.vocab_size:
             raise ValueError(f"generate: token ids must be in [0, {self.config.vocab_size}), "
                              f"got range [{flat.min()}, {flat.max()}]")
+        rows = [r for r in prompts for _ in range(sp.n)]
         b = len(rows)
-        p = self.prompt_bucket * math.ceil(max(len(r) for r in rows) / self.prompt_bucket)
-        ids = np.full((b, p), self.pad_token_id, np.int32)
-        mask = np.zeros((b, p), bool)
-        for i, r in enumerate(rows):
-            ids[i, p - len(r):] = r
-            mask[i, p - len(r):] = True
+        # Each prompt is prefilled once and its KV cache shared by its n samples (as vLLM's prefix cache).
+        ids, mask = left_pad(prompts, self.pad_token_id, self.prompt_bucket)
         stop = set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(self.eos_token_ids))
         stop_arr = np.array(sorted(stop) or [-1], np.int32)
         if sp.seed is not None:
@@ -142,7 +138,7 @@ class JaxRolloutEngine:
         toks, lps, lengths = _generate(
             self.graphdef, self.state, jnp.asarray(ids), jnp.asarray(mask), key,
             jnp.float32(max(sp.temperature, 1e-6)), jnp.int32(max(sp.top_k, 1)), jnp.float32(sp.top_p),
-            jnp.asarray(stop_arr), max_tokens=sp.max_tokens, greedy=greedy, use_top_k=use_top_k,
+            jnp.asarray(stop_arr), n=sp.n, max_tokens=sp.max_tokens, greedy=greedy, use_top_k=use_top_k,
             use_top_p=use_top_p, pad_token_id=self.pad_token_id, cache_dtype=self.cache_dtype)
         toks, lps, lengths = np.asarray(toks), np.asarray(lps), np.asarray(lengths)
         resp_mask = (np.arange(sp.max_tokens)[None] < lengths[:, None]).astype(np.float32)
@@ -159,18 +155,22 @@ class JaxRolloutEngine:
         self._names = {}
 
 
-@functools.partial(jax.jit, static_argnames=("max_tokens", "greedy", "use_top_k", "use_top_p", "pad_token_id",
+@functools.partial(jax.jit, static_argnames=("n", "max_tokens", "greedy", "use_top_k", "use_top_p", "pad_token_id",
                                              "cache_dtype"))
-def _generate(graphdef, state, ids, mask, key, temperature, top_k, top_p, stop_ids, *, max_tokens, greedy,
+def _generate(graphdef, state, ids, mask, key, temperature, top_k, top_p, stop_ids, *, n, max_tokens, greedy,
               use_top_k, use_top_p, pad_token_id, cache_dtype):
     model = nnx.merge(graphdef, state)
-    b, p = ids.shape
-    cache = KVCache.zeros(model.config, b, p + max_tokens, cache_dtype)
-    kv_mask = jnp.concatenate([mask, jnp.ones((b, max_tokens), bool)], axis=1)
+    u, p = ids.shape
+    cache = KVCache.zeros(model.config, u, p + max_tokens, cache_dtype)
+    kv_mask = jnp.concatenate([mask, jnp.ones((u, max_tokens), bool)], axis=1)
     positions = positions_from_mask(mask)
     h, cache = model.hidden_states(ids, positions, kv_mask, cache, 0)
     logits = model.logits(h[:, -1])
     next_pos = positions[:, -1] + 1
+    if n > 1:  # share each prompt's prefill among its n samples
+        cache, logits, kv_mask, next_pos = jax.tree.map(lambda x: jnp.repeat(x, n, axis=0),
+                                                        (cache, logits, kv_mask, next_pos))
+    b = u * n
 
     def cond(carry):
         step, _, _, _, _, _, done, _ = carry

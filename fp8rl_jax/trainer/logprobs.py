@@ -8,24 +8,10 @@ processed ``rollout_logprobs`` (top-k/top-p off).
 
 from __future__ import annotations
 
-from typing import Sequence
-
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from fp8rl_jax.models.decoder import CausalLM, positions_from_mask
-
-
-def left_pad(prompts: Sequence[Sequence[int]], pad_id: int, bucket: int = 16) -> tuple[np.ndarray, np.ndarray]:
-    """Left-pad prompts to a multiple of ``bucket``: ``(ids int32 [B, P], mask bool [B, P])``."""
-    p = bucket * -(-max(len(x) for x in prompts) // bucket)
-    ids = np.full((len(prompts), p), pad_id, np.int32)
-    mask = np.zeros((len(prompts), p), bool)
-    for i, x in enumerate(prompts):
-        ids[i, p - len(x):] = x
-        mask[i, p - len(x):] = True
-    return ids, mask
+from fp8rl_jax.models.decoder import CausalLM, left_pad, positions_from_mask  # noqa: F401 (re-export)
 
 
 def response_logprobs(model: CausalLM, prompt_ids: jax.Array, prompt_mask: jax.Array, response_ids: jax.Array,
