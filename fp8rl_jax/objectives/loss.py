@@ -1,0 +1,410 @@
+"""The trainer's entry point: ``compute_policy_loss`` driven by gin-configurable frozen dataclasses.
+
+``RolloutCorrectionConfig`` uses verl's field names (verl/trainer/config/algorithm.py
+``RolloutCorrectionConfig``) plus the earlier verl knobs (``rollout_is_mode``, ``rollout_is_veto_threshold``,
+``geometric`` level); its classmethods mirror verl's presets. ``LossConfig`` holds the policy-loss knobs
+(verl ``actor.policy_loss``/``actor`` names: ``loss_mode``, ``clip_ratio_low``, ``clip_ratio_high``,
+``clip_ratio_c``, ``loss_agg_mode``) and a ``RolloutCorrectionConfig``.
+
+Switching the correction is one gin line, e.g.::
+
+    RolloutCorrectionConfig.rollout_is = 'sequence'
+    LossConfig.rollout_correction = @rollout_correction_preset()
+    rollout_correction_preset.name = 'bypass_ppo_clip'
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Optional, Union
+
+import gin
+import jax
+import jax.numpy as jnp
+
+from fp8rl_jax.objectives._common import as_mask, check_choice, check_same_shape
+from fp8rl_jax.objectives.metrics import rollout_corr_metrics
+from fp8rl_jax.objectives.policy_loss import LOSS_AGG_MODES, gspo_loss, ppo_clip_loss, reinforce_loss
+from fp8rl_jax.objectives.rollout_correction import (
+    IS_LEVELS,
+    IS_MODES,
+    Identity,
+    ImportanceSampling,
+    RejectionSampling,
+    chain,
+    parse_is_threshold,
+)
+
+__all__ = [
+    "RolloutCorrectionConfig",
+    "LossConfig",
+    "LOSS_MODES",
+    "LOSS_TYPES",
+    "PRESETS",
+    "rollout_correction_preset",
+    "build_transform",
+    "compute_policy_loss",
+]
+
+#: Policy-loss kinds (verl ``actor.policy_loss.loss_mode`` names: "vanilla" is PPO clip).
+LOSS_MODES = ("vanilla", "gspo")
+#: verl ``RolloutCorrectionConfig.loss_type``.
+LOSS_TYPES = ("ppo_clip", "reinforce")
+
+
+@gin.configurable(module="fp8rl_jax.objectives")
+@dataclasses.dataclass(frozen=True)
+class RolloutCorrectionConfig:
+    """Rollout-correction settings with verl's names (gin-configurable, frozen, hashable).
+
+    Attributes:
+      rollout_is: IS level ``None`` (no weights, metrics only) | ``"token"`` | ``"sequence"`` |
+        ``"geometric"``. Default ``"token"`` (verl's default is ``"sequence"``; the FP8-RL report uses
+        token-level TIS).
+      rollout_is_threshold: upper bound ``C`` (float) or ``"lo_hi"`` string (e.g. ``"0.5_2.0"``); in
+        ``truncate`` mode ``lo`` is a lower clamp, in ``mask`` mode the lower bound (default ``1/C``).
+      rollout_is_mode: ``"truncate"`` (TIS) | ``"mask"`` (MIS / IcePop); the earlier verl knob.
+      rollout_is_batch_normalize: normalize the weights to masked batch mean 1 (verl).
+      rollout_is_veto_threshold: per-token veto ``tau`` or ``None`` (earlier verl).
+      rollout_rs: rejection options, comma-separated, from ``RS_OPTIONS`` (verl), or ``None``.
+      rollout_rs_threshold: float or string (see ``RejectionSampling``).
+      bypass_mode: ``False`` decoupled (three policies: weights from ``old`` vs ``rollout``, PPO ratio
+        ``pi / old``); ``True`` bypass (``old := rollout``; weights from ``sg(pi)`` vs ``rollout``).
+      loss_type: ``"ppo_clip"`` | ``"reinforce"`` (verl: used in bypass mode). Bypass + ``ppo_clip`` applies
+        the rejection mask but not the IS weights (the PPO ratio already is ``pi / pi_rollout``, verl
+        ``compute_policy_loss_bypass_mode``); ``reinforce`` applies the weights to ``-A log pi``.
+
+    Raises:
+      ValueError: any invalid value (lists the valid ones).
+    """
+
+    rollout_is: Optional[str] = "token"
+    rollout_is_threshold: Union[float, str] = 2.0
+    rollout_is_mode: str = "truncate"
+    rollout_is_batch_normalize: bool = False
+    rollout_is_veto_threshold: Optional[float] = None
+    rollout_rs: Optional[str] = None
+    rollout_rs_threshold: Union[float, str, None] = None
+    bypass_mode: bool = False
+    loss_type: str = "ppo_clip"
+
+    def __post_init__(self):
+        check_choice("rollout_is", self.rollout_is, (None,) + IS_LEVELS)
+        check_choice("rollout_is_mode", self.rollout_is_mode, IS_MODES)
+        check_choice("loss_type", self.loss_type, LOSS_TYPES)
+        parse_is_threshold(self.rollout_is_threshold)
+        build_transform(self)  # validates rs options / thresholds eagerly
+
+    # --- verl presets (verl/trainer/config/algorithm.py) -------------------------------------------------
+    @classmethod
+    def decoupled_token_is(cls, threshold: float = 2.0):
+        """Decoupled token-level TIS (verl preset)."""
+        return cls(rollout_is="token", rollout_is_threshold=threshold)
+
+    @classmethod
+    def decoupled_seq_is(cls, threshold: float = 2.0):
+        """Decoupled sequence-level TIS (verl preset)."""
+        return cls(rollout_is="sequence", rollout_is_threshold=threshold)
+
+    @classmethod
+    def decoupled_seq_is_rs(cls, is_threshold: float = 2.0, rs_threshold="0.5_2.0"):
+        """Decoupled sequence TIS + ``seq_sum_k1`` rejection (verl preset, "Seq-MIS")."""
+        return cls(
+            rollout_is="sequence", rollout_is_threshold=is_threshold, rollout_rs="seq_sum_k1",
+            rollout_rs_threshold=rs_threshold,
+        )
+
+    @classmethod
+    def decoupled_geo_rs(cls, rs_threshold="0.999_1.001"):
+        """Decoupled Geo-RS: ``seq_mean_k1`` rejection, no weights (verl preset)."""
+        return cls(rollout_is=None, rollout_rs="seq_mean_k1", rollout_rs_threshold=rs_threshold)
+
+    @classmethod
+    def decoupled_geo_rs_seq_tis(cls, is_threshold: float = 2.0, rs_threshold="0.999_1.001"):
+        """Decoupled Geo-RS + sequence TIS (verl preset)."""
+        return cls(
+            rollout_is="sequence", rollout_is_threshold=is_threshold, rollout_rs="seq_mean_k1",
+            rollout_rs_threshold=rs_threshold,
+        )
+
+    @classmethod
+    def decoupled_geo_rs_token_tis(cls, is_threshold: float = 2.0, rs_threshold="0.999_1.001"):
+        """Decoupled Geo-RS + token TIS (verl preset)."""
+        return cls(
+            rollout_is="token", rollout_is_threshold=is_threshold, rollout_rs="seq_mean_k1",
+            rollout_rs_threshold=rs_threshold,
+        )
+
+    @classmethod
+    def decoupled_k3_rs(cls, rs_threshold: float = 0.01):
+        """Decoupled K3-RS: ``seq_mean_k3`` rejection (verl preset)."""
+        return cls(rollout_is=None, rollout_rs="seq_mean_k3", rollout_rs_threshold=rs_threshold)
+
+    @classmethod
+    def decoupled_k3_rs_seq_tis(cls, is_threshold: float = 2.0, rs_threshold: float = 0.01):
+        """Decoupled K3-RS + sequence TIS (verl preset)."""
+        return cls(
+            rollout_is="sequence", rollout_is_threshold=is_threshold, rollout_rs="seq_mean_k3",
+            rollout_rs_threshold=rs_threshold,
+        )
+
+    @classmethod
+    def decoupled_k3_rs_token_tis(cls, is_threshold: float = 2.0, rs_threshold: float = 0.01):
+        """Decoupled K3-RS + token TIS (verl preset)."""
+        return cls(
+            rollout_is="token", rollout_is_threshold=is_threshold, rollout_rs="seq_mean_k3",
+            rollout_rs_threshold=rs_threshold,
+        )
+
+    @classmethod
+    def bypass_ppo_clip(cls):
+        """Bypass PPO clip, no correction beyond the ratio (verl preset)."""
+        return cls(rollout_is=None, bypass_mode=True, loss_type="ppo_clip")
+
+    @classmethod
+    def bypass_ppo_clip_geo_rs(cls, rs_threshold="0.999_1.001"):
+        """Bypass PPO clip + Geo-RS (verl preset)."""
+        return cls(
+            rollout_is=None, rollout_rs="seq_mean_k1", rollout_rs_threshold=rs_threshold, bypass_mode=True,
+            loss_type="ppo_clip",
+        )
+
+    @classmethod
+    def bypass_ppo_clip_k3_rs(cls, rs_threshold: float = 0.01):
+        """Bypass PPO clip + K3-RS (verl preset)."""
+        return cls(
+            rollout_is=None, rollout_rs="seq_mean_k3", rollout_rs_threshold=rs_threshold, bypass_mode=True,
+            loss_type="ppo_clip",
+        )
+
+    @classmethod
+    def bypass_pg_is(cls, threshold: float = 2.0):
+        """Bypass REINFORCE + sequence TIS (verl preset)."""
+        return cls(rollout_is="sequence", rollout_is_threshold=threshold, bypass_mode=True, loss_type="reinforce")
+
+    @classmethod
+    def bypass_pg_geo_rs(cls, rs_threshold="0.999_1.001"):
+        """Bypass REINFORCE + Geo-RS (verl preset)."""
+        return cls(
+            rollout_is=None, rollout_rs="seq_mean_k1", rollout_rs_threshold=rs_threshold, bypass_mode=True,
+            loss_type="reinforce",
+        )
+
+    @classmethod
+    def bypass_pg_geo_rs_seq_tis(cls, is_threshold: float = 2.0, rs_threshold="0.999_1.001"):
+        """Bypass REINFORCE + Geo-RS + sequence TIS (verl preset)."""
+        return cls(
+            rollout_is="sequence", rollout_is_threshold=is_threshold, rollout_rs="seq_mean_k1",
+            rollout_rs_threshold=rs_threshold, bypass_mode=True, loss_type="reinforce",
+        )
+
+    @classmethod
+    def bypass_pg_geo_rs_token_tis(cls, is_threshold: float = 2.0, rs_threshold="0.999_1.001"):
+        """Bypass REINFORCE + Geo-RS + token TIS (verl preset)."""
+        return cls(
+            rollout_is="token", rollout_is_threshold=is_threshold, rollout_rs="seq_mean_k1",
+            rollout_rs_threshold=rs_threshold, bypass_mode=True, loss_type="reinforce",
+        )
+
+    @classmethod
+    def disabled(cls):
+        """Metrics only, no correction (verl preset)."""
+        return cls(rollout_is=None, rollout_rs=None)
+
+    # --- presets of ours (MIS / IcePop family, not verl preset names) ------------------------------------
+    @classmethod
+    def decoupled_token_mis(cls, threshold: Union[float, str] = "0.5_2.0"):
+        """Decoupled token-level masked IS (IcePop; NeMo-RL ``icepop``, TRL ``token_mask``). Ours."""
+        return cls(rollout_is="token", rollout_is_threshold=threshold, rollout_is_mode="mask")
+
+    @classmethod
+    def decoupled_seq_mis(cls, threshold: Union[float, str] = 2.0):
+        """Decoupled sequence-level masked IS (MIS; TRL ``sequence_mask``). Ours."""
+        return cls(rollout_is="sequence", rollout_is_threshold=threshold, rollout_is_mode="mask")
+
+    @classmethod
+    def decoupled_geo_mis(cls, threshold: Union[float, str] = "0.999_1.001"):
+        """Decoupled geometric-mean masked IS (earlier verl ``geometric`` + ``mask``). Ours."""
+        return cls(rollout_is="geometric", rollout_is_threshold=threshold, rollout_is_mode="mask")
+
+    @classmethod
+    def bypass_pg_token_icepop(cls, threshold: Union[float, str] = "0.5_2.0"):
+        """Bypass REINFORCE + token-level IcePop masking. Ours."""
+        return cls(
+            rollout_is="token", rollout_is_threshold=threshold, rollout_is_mode="mask", bypass_mode=True,
+            loss_type="reinforce",
+        )
+
+
+#: Preset names accepted by ``rollout_correction_preset``.
+PRESETS = tuple(
+    n
+    for n in (
+        "decoupled_token_is decoupled_seq_is decoupled_seq_is_rs decoupled_geo_rs decoupled_geo_rs_seq_tis "
+        "decoupled_geo_rs_token_tis decoupled_k3_rs decoupled_k3_rs_seq_tis decoupled_k3_rs_token_tis "
+        "bypass_ppo_clip bypass_ppo_clip_geo_rs bypass_ppo_clip_k3_rs bypass_pg_is bypass_pg_geo_rs "
+        "bypass_pg_geo_rs_seq_tis bypass_pg_geo_rs_token_tis disabled decoupled_token_mis decoupled_seq_mis "
+        "decoupled_geo_mis bypass_pg_token_icepop"
+    ).split()
+)
+
+
+@gin.configurable(module="fp8rl_jax.objectives")
+def rollout_correction_preset(name: str = "decoupled_token_is", **kwargs) -> RolloutCorrectionConfig:
+    """Build a ``RolloutCorrectionConfig`` from a preset name (verl's preset names plus ours; see ``PRESETS``).
+
+    ``kwargs`` go to the preset (e.g. ``threshold``, ``is_threshold``, ``rs_threshold``).
+
+    Raises:
+      ValueError: unknown name (lists the valid ones).
+    """
+    check_choice("preset", name, PRESETS)
+    return getattr(RolloutCorrectionConfig, name)(**kwargs)
+
+
+def build_transform(rc: RolloutCorrectionConfig):
+    """The ``chain`` of transforms a ``RolloutCorrectionConfig`` describes (``Identity`` when empty)."""
+    parts = []
+    if rc.rollout_is is not None:
+        lo, hi = parse_is_threshold(rc.rollout_is_threshold)
+        parts.append(
+            ImportanceSampling(
+                level=rc.rollout_is,
+                mode=rc.rollout_is_mode,
+                threshold=hi,
+                threshold_lower=lo,
+                batch_normalize=rc.rollout_is_batch_normalize,
+                veto_threshold=rc.rollout_is_veto_threshold,
+            )
+        )
+    if rc.rollout_rs is not None:
+        parts.append(RejectionSampling(rc.rollout_rs, rc.rollout_rs_threshold))
+    return chain(*parts) if parts else Identity()
+
+
+@gin.configurable(module="fp8rl_jax.objectives")
+@dataclasses.dataclass(frozen=True)
+class LossConfig:
+    """Policy-loss settings (gin-configurable, frozen, hashable, usable as a jit static argument).
+
+    Attributes:
+      loss_mode: ``"vanilla"`` (PPO clip, verl's name) | ``"gspo"``.
+      clip_ratio_low, clip_ratio_high: ``eps_low`` / ``eps_high`` (clip-higher: e.g. 0.2 / 0.28).
+      clip_ratio_c: dual-clip constant (> 1) or ``None``.
+      loss_agg_mode: one of ``LOSS_AGG_MODES`` (default ``"token-mean"``).
+      loss_scale_factor: divisor of ``"seq-mean-token-sum-norm"`` (``None``: T).
+      rollout_correction: a ``RolloutCorrectionConfig``; ``None`` means ``RolloutCorrectionConfig()``
+        built when this config is constructed (so gin bindings of it apply): token TIS, C = 2, decoupled.
+      transform: optional custom transform (e.g. ``chain(...)``) replacing the ``rollout_is``/``rollout_rs``
+        part of ``rollout_correction`` (its ``bypass_mode``/``loss_type`` still apply).
+      compute_metrics: also return ``rollout_corr/`` mismatch metrics (``rollout_corr_metrics``).
+
+    Raises:
+      ValueError: invalid values (lists the valid ones).
+    """
+
+    loss_mode: str = "vanilla"
+    clip_ratio_low: float = 0.2
+    clip_ratio_high: float = 0.2
+    clip_ratio_c: Optional[float] = None
+    loss_agg_mode: str = "token-mean"
+    loss_scale_factor: Optional[float] = None
+    rollout_correction: Optional[RolloutCorrectionConfig] = None
+    transform: Optional[Callable] = None
+    compute_metrics: bool = True
+
+    def __post_init__(self):
+        check_choice("loss_mode", self.loss_mode, LOSS_MODES)
+        check_choice("loss_agg_mode", self.loss_agg_mode, LOSS_AGG_MODES)
+        if self.clip_ratio_c is not None and not self.clip_ratio_c > 1.0:
+            raise ValueError(f"clip_ratio_c must be > 1, got {self.clip_ratio_c}")
+        if self.rollout_correction is None:
+            object.__setattr__(self, "rollout_correction", RolloutCorrectionConfig())
+        elif not isinstance(self.rollout_correction, RolloutCorrectionConfig):
+            raise ValueError(
+                f"rollout_correction must be a RolloutCorrectionConfig, got {type(self.rollout_correction)}"
+            )
+
+
+def compute_policy_loss(logprobs, old_logprobs, rollout_logprobs, advantages, response_mask, config=None):
+    """The whole policy loss: rollout correction + policy loss + aggregation + metrics.
+
+    Regimes (verl, rollout_corr_math.md):
+
+    - decoupled (``bypass_mode=False``): ``c = T(old_logprobs, rollout_logprobs)`` with ``T`` the configured
+      transform; ``vanilla``: ``ppo_clip_loss(logprobs, old_logprobs, A, c.mask, token_weights=c.weights)``;
+      ``gspo``: ``gspo_loss`` likewise; ``loss_type="reinforce"``: ``reinforce_loss`` with ``c.weights``.
+    - bypass (``bypass_mode=True``; ``old_logprobs`` is ignored and may be ``None``):
+      ``c = T(sg(logprobs), rollout_logprobs)``; ``ppo_clip``: the policy loss with ``old := rollout`` on
+      ``c.mask`` and no weights; ``reinforce``: ``reinforce_loss(logprobs, rollout, A, c.mask, c.weights)``.
+
+    Args:
+      logprobs: current policy's sampled-token log-probs ``[B, T]`` float32 (differentiated).
+      old_logprobs: trainer recomputation before the update ``[B, T]`` (or ``None`` in bypass mode).
+      rollout_logprobs: inference engine's log-probs ``[B, T]`` (``None`` allowed only when no correction
+        and no metrics are requested, i.e. decoupled with ``rollout_is=None``, ``rollout_rs=None``,
+        ``compute_metrics=False``).
+      advantages: ``[B]`` or ``[B, T]``.
+      response_mask: ``[B, T]`` bool/float.
+      config: ``LossConfig``, a ``RolloutCorrectionConfig`` (policy-loss defaults), or ``None`` (defaults).
+
+    Returns:
+      ``(loss, metrics)``: float32 scalar; dict of float32 scalars: ``actor/*`` (``pg_loss``,
+      ``pg_clipfrac``, ``pg_clipfrac_lower``, ``ppo_kl``), ``rollout_corr/*`` (transform metrics and,
+      with ``compute_metrics``, the mismatch metrics of ``rollout_corr_metrics``).
+
+    Raises:
+      ValueError: shape mismatches (names the arrays), invalid config, missing required log-probs.
+    """
+    if config is None:
+        config = LossConfig()
+    elif isinstance(config, RolloutCorrectionConfig):
+        config = LossConfig(rollout_correction=config)
+    elif not isinstance(config, LossConfig):
+        raise ValueError(f"config must be a LossConfig or RolloutCorrectionConfig, got {type(config)}")
+    rc = config.rollout_correction
+    transform = config.transform if config.transform is not None else build_transform(rc)
+    check_same_shape(
+        logprobs=logprobs, old_logprobs=old_logprobs, rollout_logprobs=rollout_logprobs, response_mask=response_mask
+    )
+    needs_rollout = rc.bypass_mode or config.compute_metrics or not isinstance(transform, Identity)
+    if rollout_logprobs is None and needs_rollout:
+        raise ValueError(
+            "rollout_logprobs is required for rollout correction, bypass mode or rollout_corr metrics "
+            "(set rollout_is=None, rollout_rs=None and compute_metrics=False to run without it)"
+        )
+    if old_logprobs is None and not rc.bypass_mode:
+        raise ValueError("old_logprobs is required in the decoupled regime (bypass_mode=False)")
+    m = as_mask(response_mask)
+    if rc.bypass_mode:
+        target = jax.lax.stop_gradient(jnp.asarray(logprobs, jnp.float32))
+        old = rollout_logprobs
+    else:
+        target = old_logprobs
+        old = old_logprobs
+    if rollout_logprobs is None:
+        corr_w, corr_m, corr_metrics = m, m, {}
+    else:
+        corr = transform(target, rollout_logprobs, m)
+        corr_w, corr_m, corr_metrics = corr.weights, corr.mask, corr.metrics
+    agg = dict(loss_agg_mode=config.loss_agg_mode, loss_scale_factor=config.loss_scale_factor)
+    if rc.loss_type == "reinforce":
+        behaviour = rollout_logprobs if rollout_logprobs is not None else old
+        loss, metrics = reinforce_loss(logprobs, behaviour, advantages, corr_m, token_weights=corr_w, **agg)
+    else:
+        weights = None if rc.bypass_mode else corr_w
+        if config.loss_mode == "gspo":
+            loss, metrics = gspo_loss(
+                logprobs, old, advantages, corr_m, config.clip_ratio_low, config.clip_ratio_high,
+                token_weights=weights, **agg,
+            )
+        else:
+            loss, metrics = ppo_clip_loss(
+                logprobs, old, advantages, corr_m, config.clip_ratio_low, config.clip_ratio_high,
+                config.clip_ratio_c, token_weights=weights, **agg,
+            )
+    metrics = dict(metrics)
+    metrics.update(corr_metrics)
+    if config.compute_metrics and rollout_logprobs is not None:
+        metrics.update(rollout_corr_metrics(target, rollout_logprobs, m))
+    return loss, metrics
