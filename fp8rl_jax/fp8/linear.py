@@ -1,27 +1,33 @@
-"""W8A8 blockwise FP8 matmul (weights 128x128, activations 1x128) as a plain function.
+"""W8A8 blockwise FP8 matmul on pre-quantized weights (weights 128x128, activations 1x128), as a function.
 
 ``y[m, n] = sum_kb (xq[m, kb] . wq[n, kb]) * xs[m, kb] * ws[n // 128, kb]`` with float32 accumulation
 (DeepSeek-V3 / DeepGEMM / vLLM ``w8a8_block_fp8_matmul``). On CPU this is evaluated as
-``dequant(xq) @ dequant(wq).T`` in float32, which is the same sum (only the order of fp32 additions differs).
+``dequant(xq) @ dequant(wq).T`` in float32, which is the same sum (only the order of fp32 additions differs);
+on a CUDA GPU it runs the fused Pallas GEMM (:mod:`fp8rl_jax.fp8.pallas_gemm`) on real e4m3 operands.
 """
 
 from __future__ import annotations
 
 import jax.numpy as jnp
 
-from fp8rl_jax.fp8.formats import BLOCK_SIZE
-from fp8rl_jax.fp8.quant import dequantize_weight_blockwise, fake_quantize_activation
+from fp8rl_jax.fp8.dot_general import default_impl, scaled_matmul
+from fp8rl_jax.fp8.formats import ACTIVATION_RECIPE, BLOCK_SIZE
+from fp8rl_jax.fp8.quant import _quantize_groups
 
 
 def w8a8_block_matmul(x: jnp.ndarray, weight: jnp.ndarray, weight_scale_inv: jnp.ndarray,
-                      block_size: int = BLOCK_SIZE, out_dtype=None) -> jnp.ndarray:
+                      block_size: int = BLOCK_SIZE, out_dtype=None, *, impl: str = "auto") -> jnp.ndarray:
     """FP8 W8A8 blockwise linear: ``x @ W.T`` with ``W = weight * weight_scale_inv`` blockwise.
 
     Args:
-      x: ``[..., K]`` activations (float32/bfloat16); quantized here to e4m3 in 1 x ``block_size`` groups.
+      x: ``[..., K]`` activations (float32/bfloat16); quantized here to e4m3 in 1 x ``block_size`` groups
+        (vLLM ``QuantFP8`` native rounding).
       weight: ``[N, K]`` e4m3 (vLLM layout).
       weight_scale_inv: float32 ``[ceil(N/bs), ceil(K/bs)]``.
+      block_size: bs (128).
       out_dtype: result dtype (default ``x.dtype``).
+      impl: ``"auto"`` (Pallas GEMM on a CUDA GPU, dequantize + float32 matmul elsewhere), ``"dequant"``,
+        ``"blocked"`` (per-K-block real e4m3 ``dot_general``) or ``"pallas"``.
 
     Returns:
       ``[..., N]`` in ``out_dtype``; accumulated in float32.
@@ -31,8 +37,23 @@ def w8a8_block_matmul(x: jnp.ndarray, weight: jnp.ndarray, weight_scale_inv: jnp
     """
     if x.shape[-1] != weight.shape[-1]:
         raise ValueError(f"w8a8_block_matmul: x has K={x.shape[-1]} but weight is {tuple(weight.shape)} ([N, K])")
+    n, k = weight.shape
+    nb, kb = -(-n // block_size), -(-k // block_size)
+    if tuple(weight_scale_inv.shape) != (nb, kb):
+        raise ValueError(f"w8a8_block_matmul: weight_scale_inv {tuple(weight_scale_inv.shape)} does not match "
+                         f"weight {tuple(weight.shape)} with block {block_size}: expected {(nb, kb)}")
     out_dtype = out_dtype or x.dtype
-    xd = fake_quantize_activation(x.astype(jnp.float32), block_size)
-    wd = dequantize_weight_blockwise(weight, weight_scale_inv, block_size, out_dtype=jnp.float32)
-    y = jnp.einsum("...k,nk->...n", xd, wd, preferred_element_type=jnp.float32)
-    return y.astype(out_dtype)
+    impl = default_impl() if impl == "auto" else impl
+    *lead, _ = x.shape
+    x2 = x.reshape(1, -1, k)
+    xq, xs = _quantize_groups(x2, group_size=block_size, ue8m0=False, fp8_dtype=jnp.dtype(weight.dtype),
+                              fp8_max=float(jnp.finfo(weight.dtype).max), recipe=ACTIVATION_RECIPE)
+    ws = weight_scale_inv.astype(jnp.float32)
+    if impl == "pallas":
+        y = scaled_matmul(xq, xs, weight[None], None, block_size=block_size, impl="pallas",
+                          w_block_scales=ws[None])
+    else:
+        ws_rows = jnp.repeat(ws, block_size, axis=0)[:n]
+        y = scaled_matmul(xq, xs, weight[None], ws_rows[None], block_size=block_size, impl=impl)
+    return y.reshape(*lead, n).astype(out_dtype)
+

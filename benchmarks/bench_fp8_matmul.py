@@ -1,0 +1,123 @@
+"""FP8 (W8A8 blockwise) vs bf16 matmul throughput at Qwen3-8B linear shapes.
+
+Shapes are vLLM's fused Qwen3-8B linears ``(N, K)``: qkv_proj (6144, 4096), o_proj (4096, 4096), gate_up_proj
+(24576, 4096), down_proj (4096, 12288); M = tokens (1 = decode, 64, 4096 = prefill/training).
+
+Timed per shape and M (median of repeats, after a compile/warm-up call):
+
+* ``bf16``: ``lax.dot_general`` on bfloat16 operands, float32 accumulation (``preferred_element_type``).
+* ``fp8_w8a8``: :func:`fp8rl_jax.fp8.w8a8_block_matmul` on pre-quantized weights (e4m3 + 128x128 scales, the
+  rollout/inference path), activations quantized in 1x128 groups inside the call. Implementation ``auto``:
+  the Pallas GEMM on a CUDA GPU, dequantize + float32 matmul elsewhere.
+* ``fp8_dot_general``: :data:`fp8rl_jax.fp8.fp8_block_dot_general` (both operands quantized on the fly, the
+  training path).
+* on CPU also ``dequant_then_bf16``: the naive CPU FP8 path the issue compares with -- dequantize the
+  pre-quantized weight to bfloat16, then a bfloat16 matmul (activations not quantized); on GPU also ``fp8_blocked`` (per-K-block real e4m3
+  ``lax.dot_general``) and ``fp8_tensor`` (per-tensor scales, one real e4m3 GEMM).
+
+TFLOP/s = 2 M N K / time. ``speedup`` = fp8_w8a8 TFLOP/s / bf16 TFLOP/s.
+
+Usage:
+  python benchmarks/bench_fp8_matmul.py --quick     # CPU: M = 1, 64, 256
+  python benchmarks/bench_fp8_matmul.py             # GPU: M = 1, 64, 4096
+  python benchmarks/bench_fp8_matmul.py --m 1,64 --shapes qkv_proj,o_proj
+Results: benchmarks/results/fp8_matmul_<device>.json and .md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(__file__))
+from bench_quant import device_info, timeit, write_results  # noqa: E402
+
+from fp8rl_jax.fp8 import (dequantize_weight_blockwise, make_fp8_dot_general, quantize_weight_blockwise,  # noqa: E402
+                           w8a8_block_matmul)
+from fp8rl_jax.fp8.pallas_quant import gpu_lowering_available  # noqa: E402
+
+QWEN3_8B_FUSED = {"qkv_proj": (6144, 4096), "o_proj": (4096, 4096), "gate_up_proj": (24576, 4096),
+                  "down_proj": (4096, 12288)}
+DN = (((1,), (0,)), ((), ()))
+
+
+def bench_one(m, n, k, gpu, repeats):
+    kx, kw = jax.random.split(jax.random.key(m * 7 + n + k))
+    x = jax.random.normal(kx, (m, k), jnp.bfloat16)
+    w = (jax.random.normal(kw, (k, n), jnp.float32) * 0.02).astype(jnp.bfloat16)  # [K, N] (nnx layout)
+    wq, ws = quantize_weight_blockwise(w.T)  # [N, K] e4m3 + [N/128, K/128]
+    flops = 2.0 * m * n * k
+    fns = {
+        "bf16": (jax.jit(lambda a, b: jax.lax.dot_general(a, b, DN, preferred_element_type=jnp.float32)), (x, w)),
+        "fp8_w8a8": (jax.jit(lambda a, q, s: w8a8_block_matmul(a, q, s, out_dtype=jnp.float32)), (x, wq, ws)),
+        "fp8_dot_general": (jax.jit(lambda a, b: make_fp8_dot_general()(a, b, DN, preferred_element_type=jnp.float32)),
+                            (x, w)),
+    }
+    if gpu:
+        fns["fp8_blocked"] = (jax.jit(lambda a, q, s: w8a8_block_matmul(a, q, s, out_dtype=jnp.float32, impl="blocked")),
+                              (x, wq, ws))
+        tensor_dg = make_fp8_dot_general(scaling="tensor", impl="blocked")
+        fns["fp8_tensor"] = (jax.jit(lambda a, b: tensor_dg(a, b, DN, preferred_element_type=jnp.float32)), (x, w))
+    else:
+        def dequant_then_bf16(a, q, s):
+            wd = dequantize_weight_blockwise(q, s, out_dtype=jnp.bfloat16)
+            return jax.lax.dot_general(a, wd, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+
+        fns["dequant_then_bf16"] = (jax.jit(dequant_then_bf16), (x, wq, ws))
+    out = {}
+    for name, (fn, args) in fns.items():
+        t = timeit(fn, *args, repeats=repeats, min_time=0.0)
+        out[name] = {"ms": t * 1e3, "TFLOPs": flops / t / 1e12}
+    return out
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--m", default=None, help="comma-separated M values (default 1,64,4096; --quick: 1,64,256)")
+    p.add_argument("--shapes", default=None, help=f"comma-separated subset of {list(QWEN3_8B_FUSED)}")
+    p.add_argument("--quick", action="store_true", help="CPU-sized run")
+    p.add_argument("--repeats", type=int, default=3)
+    args = p.parse_args(argv)
+    ms = [int(v) for v in args.m.split(",")] if args.m else ([1, 64, 256] if args.quick else [1, 64, 4096])
+    names = args.shapes.split(",") if args.shapes else list(QWEN3_8B_FUSED)
+    gpu = gpu_lowering_available()
+    info = device_info()
+    print(f"device: {info}; fp8 impl: {'pallas GEMM' if gpu else 'dequantize + float32 matmul'}")
+    rows = []
+    for name in names:
+        n, k = QWEN3_8B_FUSED[name]
+        for m in ms:
+            r = bench_one(m, n, k, gpu, args.repeats)
+            row = {"shape": name, "M": m, "N": n, "K": k, **r,
+                   "speedup_w8a8_vs_bf16": r["fp8_w8a8"]["TFLOPs"] / r["bf16"]["TFLOPs"]}
+            if "dequant_then_bf16" in r:
+                row["speedup_w8a8_vs_dequant_then_bf16"] = r["fp8_w8a8"]["TFLOPs"] / r["dequant_then_bf16"]["TFLOPs"]
+            rows.append(row)
+            cols = "  ".join(f"{key} {v['TFLOPs']:.4f} TF/s ({v['ms']:.2f} ms)" for key, v in r.items())
+            print(f"{name:>13} M={m:<5} {cols}  w8a8/bf16 {row['speedup_w8a8_vs_bf16']:.2f}x", flush=True)
+    impls = [key for key, v in rows[0].items() if isinstance(v, dict)]
+    impls = [i for i in ["bf16", "fp8_w8a8", "dequant_then_bf16", "fp8_dot_general", "fp8_blocked", "fp8_tensor"]
+             if i in impls]
+    payload = {"benchmark": "bench_fp8_matmul", "device": info, "command": " ".join(sys.argv),
+               "fp8_impl": "pallas" if gpu else "dequant", "rows": rows,
+               "targets": {"gpu_fp8_over_bf16_at_M4096_min": 1.3}}
+    md = [f"# bench_fp8_matmul on {info.get('cpu_model', info['device_kind'])} ({info['platform']})", "",
+          f"Command: `{payload['command']}`; FP8 path: {payload['fp8_impl']}; jax {info['jax']}. TFLOP/s = 2MNK/t.", "",
+          "| shape (N, K) | M | " + " | ".join(f"{i} TFLOP/s" for i in impls) + " | w8a8 / bf16 |"
+          + (" w8a8 / dequant_then_bf16 |" if not gpu else ""),
+          "|---|---:|" + "---:|" * (len(impls) + 1 + (not gpu))]
+    for r in rows:
+        extra = f" {r['speedup_w8a8_vs_dequant_then_bf16']:.2f} |" if not gpu else ""
+        md.append(f"| {r['shape']} ({r['N']}, {r['K']}) | {r['M']} | "
+                  + " | ".join(f"{r[i]['TFLOPs']:.4f}" for i in impls) + f" | {r['speedup_w8a8_vs_bf16']:.2f} |" + extra)
+    base = write_results("fp8_matmul", payload, md)
+    print(f"wrote {base}.json and {base}.md")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,110 @@
+"""Pallas W8A8 blockwise FP8 GEMM (DeepGEMM / vLLM ``w8a8_block_fp8_matmul`` semantics).
+
+``y[m, n] = sum_kb (xq[m, kb] . wq[n, kb]) * xs[m, kb] * ws[n // 128, kb]``: each program owns a
+``(bm, bn)`` output tile (``bn`` divides the 128-row weight block, so one weight scale per K-block), loops over
+K in 128-wide blocks, multiplies real e4m3 tiles with float32 accumulation and applies both scales to the
+partial product before adding it ("promotion" in float32, as DeepGEMM does). Lowered with Triton on a CUDA
+GPU (Hopper: e4m3 ``tt.dot``); ``interpret=True`` elsewhere, for tests at small sizes.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from fp8rl_jax.fp8.formats import BLOCK_SIZE
+
+
+def _gemm_kernel(x_ref, xs_ref, w_ref, ws_ref, o_ref, *, kb, bk):
+    bm, bn = o_ref.shape
+
+    def body(i, acc):
+        xk = x_ref[:, pl.ds(i * bk, bk)]
+        wk = w_ref[:, pl.ds(i * bk, bk)]
+        d = lax.dot_general(xk, wk, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        return acc + d * xs_ref[:, pl.ds(i, 1)] * ws_ref[:, pl.ds(i, 1)]
+
+    acc = lax.fori_loop(0, kb, body, jnp.zeros((bm, bn), jnp.float32))
+    o_ref[...] = acc.astype(o_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("block_size", "bm", "bn", "out_dtype", "interpret", "num_warps",
+                                             "num_stages"))
+def _gemm(xq, xs, wq, ws, *, block_size, bm, bn, out_dtype, interpret, num_warps, num_stages):
+    m, k = xq.shape
+    n = wq.shape[0]
+    kb = xs.shape[1]
+    mp, np_, kp = pl.cdiv(m, bm) * bm, pl.cdiv(n, bn) * bn, kb * block_size
+    if (mp, kp) != (m, k):
+        xq = jnp.pad(xq, ((0, mp - m), (0, kp - k)))
+        xs = jnp.pad(xs, ((0, mp - m), (0, 0)))
+    if (np_, kp) != (n, k):
+        wq = jnp.pad(wq, ((0, np_ - n), (0, kp - k)))
+    nbs = pl.cdiv(np_, block_size)
+    if ws.shape[0] != nbs:
+        ws = jnp.pad(ws, ((0, nbs - ws.shape[0]), (0, 0)))
+    ratio = block_size // bn
+    kwargs = {}
+    if not interpret:
+        from jax.experimental.pallas import triton as plgpu
+
+        kwargs["compiler_params"] = plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+    y = pl.pallas_call(
+        functools.partial(_gemm_kernel, kb=kb, bk=block_size),
+        grid=(mp // bm, np_ // bn),
+        in_specs=[
+            pl.BlockSpec((bm, kp), lambda i, j: (i, 0)),
+            pl.BlockSpec((bm, kb), lambda i, j: (i, 0)),
+            pl.BlockSpec((bn, kp), lambda i, j: (j, 0)),
+            pl.BlockSpec((1, kb), lambda i, j: (j // ratio, 0)),
+        ],
+        out_specs=pl.BlockSpec((bm, bn), lambda i, j: (i, j)),
+        out_shape=jax.ShapeDtypeStruct((mp, np_), out_dtype),
+        interpret=interpret,
+        name="fp8_w8a8_block_gemm",
+        **kwargs,
+    )(xq, xs, wq, ws)
+    return y[:m, :n]
+
+
+def pallas_w8a8_matmul(xq, xs, wq, ws, *, block_size: int = BLOCK_SIZE, bm: int | None = None,
+                       bn: int | None = None, out_dtype=jnp.float32, interpret: bool | None = None,
+                       num_warps: int = 4, num_stages: int = 3):
+    """Fused W8A8 blockwise GEMM on pre-quantized operands.
+
+    Args:
+      xq: ``[M, K]`` e4m3 activations; xs: float32 ``[M, ceil(K/bs)]`` (1 x bs group scales).
+      wq: ``[N, K]`` e4m3 weights; ws: float32 ``[ceil(N/bs), ceil(K/bs)]`` (bs x bs block scales).
+      block_size: bs (128).
+      bm, bn: output tile (powers of two, ``bn`` divides ``block_size``, ``bm >= 16`` on GPU); default
+        ``bm = clip(next_pow2(M), 16, 64)``, ``bn = 128``.
+      out_dtype: result dtype (accumulation is float32).
+      interpret: default: interpret unless a CUDA GPU is the default backend.
+
+    Returns:
+      ``[M, N]`` in ``out_dtype``.
+
+    Raises:
+      ValueError: shapes/scales that do not match, or ``bn`` not dividing ``block_size``.
+    """
+    from fp8rl_jax.fp8.pallas_quant import _resolve_interpret
+
+    m, k = xq.shape
+    n, k2 = wq.shape
+    kb = -(-k // block_size)
+    if k != k2:
+        raise ValueError(f"pallas_w8a8_matmul: xq is {tuple(xq.shape)} but wq is {tuple(wq.shape)} ([N, K])")
+    if tuple(xs.shape) != (m, kb) or tuple(ws.shape) != (-(-n // block_size), kb):
+        raise ValueError(f"pallas_w8a8_matmul: scale shapes {tuple(xs.shape)}, {tuple(ws.shape)} do not match "
+                         f"M={m}, N={n}, K={k} with block {block_size}")
+    bm = bm or int(min(64, max(16, pl.next_power_of_2(m))))
+    bn = bn or block_size
+    if block_size % bn:
+        raise ValueError(f"bn={bn} must divide block_size={block_size}")
+    return _gemm(xq, xs.astype(jnp.float32), wq, ws.astype(jnp.float32), block_size=block_size, bm=bm, bn=bn,
+                 out_dtype=jnp.dtype(out_dtype), interpret=_resolve_interpret(interpret), num_warps=num_warps,
+                 num_stages=num_stages)

@@ -1,0 +1,240 @@
+"""Pallas kernels for blockwise e4m3 quantization: weights (128x128 blocks) and activations (1x128 groups).
+
+One pass over the input: each program loads one tile, reduces its absolute maximum, writes the fp8 values and
+the float32 ``scale_inv``. Weights are batched: a stack ``[L, N, K]`` (all layers' weights of one shape) is
+quantized by one ``pallas_call`` with grid ``(L, ceil(N/128), ceil(K/128))``.
+
+Backends: on a CUDA GPU the kernel is lowered with Triton (Pallas' default GPU lowering); elsewhere it runs
+with ``interpret=True`` (for tests at small sizes; the jnp reference in :mod:`fp8rl_jax.fp8.quant` is the CPU
+fast path). The kernel body calls the same scale/rounding helpers as the jnp reference
+(:func:`~fp8rl_jax.fp8.formats.compute_scale`, :func:`~fp8rl_jax.fp8.formats.scale_values`), so in interpret
+mode both are bit-identical (tested). On GPU, divisions are emitted as PTX ``div.rn.f32`` (Triton's own
+float32 division is the approximate ``div.full.f32``), UE8M0 uses integer bit arithmetic, the e4m3 cast is
+Triton's round-to-nearest convert, and NaN is mapped to +inf before the (NaN-ignoring) Triton max, so the GPU
+kernel computes the same IEEE operations; that equality is still to be checked on a GPU (none was available).
+
+:func:`quantize_weights_batched` is the dispatcher the exporter uses: it groups same-shaped weights, stacks
+each group and quantizes it in one call (jnp on CPU, Pallas on GPU).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from fp8rl_jax.fp8.formats import (ACTIVATION_RECIPE, BLOCK_SIZE, E4M3, E4M3_MAX, WEIGHT_RECIPE, QuantRecipe,
+                                   block_amax, compute_scale, scale_values)
+from fp8rl_jax.fp8.quant import _block_pair, _quantize_blocks, _require, raise_if_nonfinite
+
+
+def gpu_lowering_available() -> bool:
+    """True when the default JAX backend is a CUDA GPU (Pallas lowers through Triton there)."""
+    try:
+        dev = jax.devices()[0]
+    except RuntimeError:
+        return False
+    if dev.platform != "gpu":
+        return False
+    return "rocm" not in str(getattr(dev.client, "platform_version", "")).lower()
+
+
+def _resolve_interpret(interpret: bool | None) -> bool:
+    return (not gpu_lowering_available()) if interpret is None else bool(interpret)
+
+
+def _quant_tile_kernel(x_ref, q_ref, s_ref, *, n, k, bn, bk, per_row, ue8m0, fp8_dtype, fp8_max, recipe, ptx):
+    """One tile: ``x_ref`` (bn, bk) -> ``q_ref`` (bn, bk) fp8, ``s_ref`` (1, 1) or (bn, 1) float32."""
+    xt = x_ref[...]
+    if n % bn or k % bk:
+        # Edge tiles: out-of-range elements behave as the jnp reference's zero padding.
+        rows = pl.program_id(1) * bn + lax.broadcasted_iota(jnp.int32, (bn, bk), 0)
+        cols = pl.program_id(2) * bk + lax.broadcasted_iota(jnp.int32, (bn, bk), 1)
+        xt = jnp.where((rows < n) & (cols < k), xt, jnp.zeros((), xt.dtype))
+    x = xt.astype(jnp.float32)
+    amax = block_amax(xt, 1, keepdims=True, ptx=ptx)  # (bn, 1)
+    if not per_row:
+        amax = jnp.max(amax, axis=0, keepdims=True)  # (1, 1)
+    s = compute_scale(amax, fp8_max, ue8m0, recipe=recipe, ptx=ptx)
+    q_ref[...] = scale_values(x, s, fp8_dtype, fp8_max, recipe=recipe, ptx=ptx)
+    s_ref[...] = s
+
+
+@functools.partial(jax.jit, static_argnames=("bn", "bk", "per_row", "ue8m0", "fp8_dtype", "fp8_max", "recipe",
+                                             "interpret", "num_warps"))
+def _pallas_quantize_3d(x, *, bn, bk, per_row, ue8m0, fp8_dtype, fp8_max, recipe, interpret, num_warps=4):
+    lsz, n, k = x.shape
+    nb, kb = pl.cdiv(n, bn), pl.cdiv(k, bk)
+    ptx = not interpret
+    kernel = functools.partial(_quant_tile_kernel, n=n, k=k, bn=bn, bk=bk, per_row=per_row, ue8m0=ue8m0,
+                               fp8_dtype=fp8_dtype, fp8_max=fp8_max, recipe=recipe, ptx=ptx)
+    tile = pl.BlockSpec((pl.squeezed, bn, bk), lambda l, i, j: (l, i, j))
+    if per_row:
+        s_spec = pl.BlockSpec((pl.squeezed, bn, 1), lambda l, i, j: (l, i, j))
+        s_shape = (lsz, n, kb)
+    else:
+        s_spec = pl.BlockSpec((pl.squeezed, 1, 1), lambda l, i, j: (l, i, j))
+        s_shape = (lsz, nb, kb)
+    kwargs = {}
+    if not interpret:
+        from jax.experimental.pallas import triton as plgpu
+
+        kwargs["compiler_params"] = plgpu.CompilerParams(num_warps=num_warps, num_stages=1)
+    return pl.pallas_call(
+        kernel,
+        grid=(lsz, nb, kb),
+        in_specs=[tile],
+        out_specs=[tile, s_spec],
+        out_shape=[jax.ShapeDtypeStruct((lsz, n, k), fp8_dtype), jax.ShapeDtypeStruct(s_shape, jnp.float32)],
+        interpret=interpret,
+        name="fp8_blockwise_quant",
+        **kwargs,
+    )(x)
+
+
+def pallas_quantize_weight_blockwise(
+    w: jnp.ndarray, block_size: tuple[int, int] | int = BLOCK_SIZE, ue8m0: bool = False, *, fp8_dtype=E4M3,
+    fp8_max: float = E4M3_MAX, recipe: QuantRecipe | None = None, interpret: bool | None = None,
+    check: bool = True,
+) -> tuple[jnp.ndarray, jnp.ndarray]:
+    """Pallas version of :func:`fp8rl_jax.fp8.quant.quantize_weight_blockwise` (same outputs, bit for bit).
+
+    Args:
+      w: ``[N, K]`` or a stack ``[L, N, K]`` (any float dtype; more leading dims are flattened into L).
+      block_size: ``(bn, bk)`` or int (powers of two on GPU; default 128).
+      ue8m0: power-of-two scales.
+      fp8_dtype, fp8_max: target format.
+      recipe: rounding details; default ``formats.WEIGHT_RECIPE`` (vLLM ``per_block_cast_to_fp8``).
+      interpret: force interpret mode (default: interpret unless a CUDA GPU is the default backend).
+      check: when called eagerly, raise ``ValueError`` on NaN/inf input.
+
+    Returns:
+      ``(q [..., N, K] fp8, scale_inv [..., ceil(N/bn), ceil(K/bk)] float32)``.
+
+    Raises:
+      ValueError: fewer than 2 dims, non-float dtype, bad block size, or (eager, ``check``) NaN/inf.
+    """
+    _require("pallas_quantize_weight_blockwise", w, 2)
+    bn, bk = _block_pair(block_size)
+    *lead, n, k = w.shape
+    x3 = w.reshape(-1, n, k)
+    interpret = _resolve_interpret(interpret)
+    q, s = _pallas_quantize_3d(x3, bn=bn, bk=bk, per_row=False, ue8m0=bool(ue8m0), fp8_dtype=jnp.dtype(fp8_dtype),
+                               fp8_max=float(fp8_max), recipe=recipe or WEIGHT_RECIPE, interpret=interpret)
+    q, s = q.reshape(*lead, n, k), s.reshape(*lead, *s.shape[1:])
+    if check:
+        raise_if_nonfinite("pallas_quantize_weight_blockwise", w, s, scale_propagates_nan=not interpret)
+    return q, s
+
+
+def pallas_quantize_activation_groupwise(
+    x: jnp.ndarray, group_size: int = BLOCK_SIZE, ue8m0: bool = False, *, fp8_dtype=E4M3,
+    fp8_max: float = E4M3_MAX, recipe: QuantRecipe | None = None, block_rows: int = 32,
+    interpret: bool | None = None, check: bool = True,
+) -> tuple[jnp.ndarray, jnp.ndarray]:
+    """Pallas version of :func:`fp8rl_jax.fp8.quant.quantize_activation_groupwise` (1 x group_size groups).
+
+    Args:
+      x: ``[..., K]`` float array (leading dims flattened into rows).
+      group_size: elements per group along K (128).
+      ue8m0: power-of-two scales.
+      recipe: rounding details; default ``formats.ACTIVATION_RECIPE`` (vLLM ``QuantFP8`` native group path).
+      block_rows: rows per program (a power of two on GPU).
+      interpret: force interpret mode (default: interpret unless a CUDA GPU is the default backend).
+      check: when called eagerly, raise ``ValueError`` on NaN/inf input.
+
+    Returns:
+      ``(q [..., K] fp8, scale_inv [..., ceil(K/group_size)] float32)``.
+    """
+    _require("pallas_quantize_activation_groupwise", x, 1)
+    *lead, k = x.shape
+    m = 1
+    for d in lead:
+        m *= d
+    bm = max(1, min(block_rows, pl.next_power_of_2(max(m, 1))))
+    interpret = _resolve_interpret(interpret)
+    q, s = _pallas_quantize_3d(x.reshape(1, m, k), bn=bm, bk=int(group_size), per_row=True, ue8m0=bool(ue8m0),
+                               fp8_dtype=jnp.dtype(fp8_dtype), fp8_max=float(fp8_max),
+                               recipe=recipe or ACTIVATION_RECIPE, interpret=interpret)
+    q, s = q.reshape(*lead, k), s.reshape(*lead, s.shape[-1])
+    if check:
+        raise_if_nonfinite("pallas_quantize_activation_groupwise", x, s, scale_propagates_nan=not interpret)
+    return q, s
+
+
+def _as_items(weights):
+    if isinstance(weights, Mapping):
+        return list(weights.items()), "mapping"
+    if isinstance(weights, Sequence) and not isinstance(weights, (str, bytes)):
+        return list(enumerate(weights)), "sequence"
+    raise TypeError(f"quantize_weights_batched: expected a dict or a list of arrays, got {type(weights).__name__}")
+
+
+def quantize_weights_batched(
+    weights, block_size: tuple[int, int] | int = BLOCK_SIZE, ue8m0: bool = False, *,
+    recipe: QuantRecipe | None = None, backend: str = "auto", check: bool = True,
+):
+    """Quantize many weights blockwise with one kernel call per distinct ``(shape, dtype)``.
+
+    Same-shaped 2-D weights (e.g. every layer's ``q_proj``) are stacked into ``[L, N, K]`` and quantized
+    together; an array that already is a stack (``[L, N, K]``, as a scan-over-layers model holds it) is
+    quantized as its own call without a copy. Results are bit-identical to calling
+    :func:`~fp8rl_jax.fp8.quant.quantize_weight_blockwise` per tensor.
+
+    Args:
+      weights: ``{name: array}`` or a list of arrays; each ``[..., N, K]`` float (HF layout ``[out, in]``).
+      block_size, ue8m0, recipe: as in :func:`~fp8rl_jax.fp8.quant.quantize_weight_blockwise`.
+      backend: ``"auto"`` (Pallas on a CUDA GPU, jnp otherwise), ``"jnp"``, ``"pallas"`` (interpret mode off
+        GPU) .
+      check: raise ``ValueError`` naming the first tensor with NaN/inf (eager calls only).
+
+    Returns:
+      The same container type: ``{name: (q, scale_inv)}`` or ``[(q, scale_inv), ...]``.
+
+    Raises:
+      ValueError: unknown backend, a non-float or <2-d array, or (``check``) NaN/inf values.
+      TypeError: ``weights`` is neither a mapping nor a sequence.
+    """
+    if backend not in ("auto", "jnp", "pallas"):
+        raise ValueError(f"backend must be 'auto', 'jnp' or 'pallas', got {backend!r}")
+    use_pallas = backend == "pallas" or (backend == "auto" and gpu_lowering_available())
+    bn, bk = _block_pair(block_size)
+    recipe = recipe or WEIGHT_RECIPE
+    items, kind = _as_items(weights)
+    groups: dict[tuple, list] = {}
+    for key, w in items:
+        w = jnp.asarray(w)
+        _require(f"quantize_weights_batched[{key!r}]", w, 2)
+        # 2-D matrices of one shape are stacked (one copy, one call); an array that already is a stack is
+        # quantized in place as its own call (stacking it again would cost a full extra read + write).
+        gkey = (tuple(w.shape), jnp.dtype(w.dtype)) if w.ndim == 2 else ("stack", len(groups), key)
+        groups.setdefault(gkey, []).append((key, w))
+    out = {}
+    for members in groups.values():
+        shape = tuple(members[0][1].shape)
+        if len(members) == 1:
+            stack = members[0][1].reshape(-1, *shape[-2:])
+        else:
+            stack = jnp.stack([w for _, w in members])
+        if use_pallas:
+            q, s = _pallas_quantize_3d(stack, bn=bn, bk=bk, per_row=False, ue8m0=bool(ue8m0), fp8_dtype=jnp.dtype(E4M3),
+                                       fp8_max=E4M3_MAX, recipe=recipe, interpret=not gpu_lowering_available())
+        else:
+            q, s = _quantize_blocks(stack, bn=bn, bk=bk, ue8m0=bool(ue8m0), fp8_dtype=jnp.dtype(E4M3),
+                                    fp8_max=E4M3_MAX, recipe=recipe)
+        if len(members) == 1:
+            results = [(q.reshape(shape), s.reshape(*shape[:-2], *s.shape[-2:]))]
+        else:
+            results = [(q[i], s[i]) for i in range(len(members))]
+        for (key, wi), (qi, si) in zip(members, results):
+            if check:
+                raise_if_nonfinite(f"quantize_weights_batched[{key!r}]", wi, si,
+                                   scale_propagates_nan=use_pallas and gpu_lowering_available())
+            out[key] = (qi, si)
+    if kind == "mapping":
+        return {key: out[key] for key, _ in items}
+    return [out[i] for i in range(len(items))]
