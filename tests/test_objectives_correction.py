@@ -399,3 +399,23 @@ def test_documented_framework_mappings():
         r = math.exp(sum(old2[b, t] - roll2[b, t] for t in toks_of(m2, b)))
         ref[b] = m2[b] * (a2 <= r <= b2)
     np.testing.assert_array_equal(np.asarray(c.mask), ref)
+
+
+def test_two_sided_veto_matches_skyrl_and_prime_rl_outlier_rule():
+    """SkyRL ``outlier_token_is_threshold_low/high`` / prime-rl ``sequence_mask_low/high``: a row is dropped
+    when any real token's ratio ``exp(old - rollout)`` lies outside ``[low, high]``."""
+    old, roll, m = make_batch(47, extreme=True, scale=0.6)
+    low, high = 0.3, 2.5
+    v = Veto(low, apply_to="mask", threshold_high=high)(*f32(old, roll, m))
+    ref = np.zeros(m.shape)
+    for b in rows_of(m):
+        ratios = [math.exp(clip20(old[b, t] - roll[b, t])) for t in toks_of(m, b)]
+        ref[b] = m[b] * all(low <= r <= high for r in ratios)
+    np.testing.assert_array_equal(np.asarray(v.mask), ref)
+    np.testing.assert_array_equal(np.asarray(v.weights), m)
+    assert 0 < ref.sum() < m.sum()
+    n_out = sum(not (low <= math.exp(clip20(old[b, t] - roll[b, t])) <= high) for b in rows_of(m) for t in toks_of(m, b))
+    np.testing.assert_allclose(float(v.metrics[P + "rollout_is_catastrophic_token_fraction"]), n_out / m.sum(), rtol=1e-6)
+    assert finite(v.metrics)
+    with pytest.raises(ValueError, match="threshold_high"):
+        Veto(0.5, threshold_high=0.4)

@@ -493,29 +493,38 @@ class RejectionSampling:
 
 @dataclasses.dataclass(frozen=True)
 class Veto:
-    """Catastrophic-token veto: weight 0 for a row whose any real token has ``rho < tau``.
+    """Catastrophic-token veto: weight 0 for a row whose any real token has ``rho < tau`` (or ``rho > high``).
 
-    ``weights = response_mask * [no real token with log_rho < log(tau)]`` (earlier verl
-    ``rollout_is_veto_threshold``, default there 1e-4; applied to the IS weights). With
-    ``apply_to="mask"`` the row leaves ``Correction.mask`` instead (slime ``rs_veto_threshold``). Metrics:
-    ``rollout_is_veto_fraction`` (non-empty rows vetoed), ``rollout_is_catastrophic_token_fraction``.
+    ``weights = response_mask * [no real token with log_rho < log(tau) or log_rho > log(high)]`` (earlier
+    verl ``rollout_is_veto_threshold``, default there 1e-4; applied to the IS weights). With
+    ``apply_to="mask"`` the row leaves ``Correction.mask`` instead (slime ``rs_veto_threshold``). The optional
+    upper bound ``threshold_high`` gives the two-sided sequence rejection of SkyRL
+    (``outlier_token_is_threshold_low/high``) and prime-rl (``sequence_mask_low/high``): a row is dropped
+    when any token's ratio leaves ``[tau, high]``. Metrics: ``rollout_is_veto_fraction`` (non-empty rows
+    vetoed), ``rollout_is_catastrophic_token_fraction`` (real tokens outside the bounds).
 
     Raises:
-      ValueError: ``threshold <= 0`` or bad ``apply_to``.
+      ValueError: ``threshold <= 0``, ``threshold_high <= threshold`` or bad ``apply_to``.
     """
 
     threshold: float = 1e-4
     apply_to: str = "weights"
+    threshold_high: float | None = None
 
     def __post_init__(self):
         check_choice("apply_to", self.apply_to, ("weights", "mask"))
         if not self.threshold > 0:
             raise ValueError(f"veto threshold must be positive, got {self.threshold}")
+        if self.threshold_high is not None and not self.threshold_high > self.threshold:
+            raise ValueError(f"veto threshold_high must exceed threshold={self.threshold}, got {self.threshold_high}")
 
     def __call__(self, old_logprobs, rollout_logprobs, response_mask) -> Correction:
         """Compute the veto weights; returns a ``Correction`` whose mask is ``response_mask``."""
         lr, m = _prep(old_logprobs, rollout_logprobs, response_mask)
-        cat = ((lr < math.log(self.threshold)) & (m != 0)).astype(jnp.float32)
+        out = lr < math.log(self.threshold)
+        if self.threshold_high is not None:
+            out = out | (lr > math.log(self.threshold_high))
+        cat = (out & (m != 0)).astype(jnp.float32)
         has = jnp.max(cat, axis=-1) if cat.shape[-1] > 0 else jnp.zeros((cat.shape[0],), jnp.float32)
         sv = _seq_valid(m)
         metrics = {
