@@ -9,6 +9,7 @@ from flax import nnx
 from fp8rl_jax.fp8 import dot_general as dg
 from fp8rl_jax.fp8 import linear, quant
 from fp8rl_jax.fp8.pallas_gemm import pallas_w8a8_matmul
+from fp8_problems import loss64_and_grads, smooth_problem
 
 LINEAR_DN = (((1,), (0,)), ((), ()))  # x [M, K] . w [K, N] (nnx.Linear kernel layout)
 
@@ -157,23 +158,8 @@ def test_preferred_element_type_and_dtypes():
     assert dg.fp8_block_dot_general(xb, wb, LINEAR_DN, preferred_element_type=jnp.float32).dtype == jnp.float32
 
 
-def _smooth_problem(seed, m=6, k=200, n=70):
-    rng = np.random.default_rng(seed)
-    x = rng.standard_normal((m, k)).astype(np.float32)
-    w = (rng.standard_normal((k, n)) / np.sqrt(k)).astype(np.float32)  # y ~ N(0, 1): tanh not saturated
-    c = rng.standard_normal((m, n)).astype(np.float32)
-    return x, w, c
-
-
-def _loss64_and_grads(x, w, c):
-    x64, w64 = x.astype(np.float64), w.astype(np.float64)
-    y = x64 @ w64
-    g = (1 - np.tanh(y) ** 2) * c
-    return (lambda x, w: np.sum(np.tanh(x @ w) * c)), g @ w64.T, x64.T @ g
-
-
 def test_grads_straight_through_and_finite_differences():
-    x, w, c = _smooth_problem(7)
+    x, w, c = smooth_problem(7)
     f8 = lambda x, w: jnp.sum(jnp.tanh(dg.fp8_block_dot_general(x, w, LINEAR_DN)) * c)  # noqa: E731
     gx, gw = jax.grad(f8, argnums=(0, 1))(jnp.asarray(x), jnp.asarray(w))
     # STE: cotangents are those of the exact matmul, evaluated at the FP8 forward's output.
@@ -182,7 +168,7 @@ def test_grads_straight_through_and_finite_differences():
     np.testing.assert_allclose(np.asarray(gx), g @ w.T, rtol=1e-4, atol=1e-4 * np.abs(g @ w.T).max())
     np.testing.assert_allclose(np.asarray(gw), x.T @ g, rtol=1e-4, atol=1e-4 * np.abs(x.T @ g).max())
     # The exact float64 gradient agrees with central finite differences of the smooth loss (sanity) ...
-    loss64, gx64, gw64 = _loss64_and_grads(x, w, c)
+    loss64, gx64, gw64 = loss64_and_grads(x, w, c)
     gnorm = np.sqrt(np.sum(gx64**2) + np.sum(gw64**2))
     rng = np.random.default_rng(9)
     for _ in range(3):

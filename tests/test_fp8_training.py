@@ -8,27 +8,13 @@ import pytest
 from flax import nnx
 
 from fp8rl_jax.fp8 import training
+from fp8_problems import loss64_and_grads, smooth_problem
 
 LINEAR_DN = (((1,), (0,)), ((), ()))  # x [M, K] . w [K, N]
-
-
-def _smooth_problem(seed, m=6, k=200, n=70):
-    rng = np.random.default_rng(seed)
-    x = rng.standard_normal((m, k)).astype(np.float32)
-    w = (rng.standard_normal((k, n)) / np.sqrt(k)).astype(np.float32)  # y ~ N(0, 1): tanh not saturated
-    c = rng.standard_normal((m, n)).astype(np.float32)
-    return x, w, c
-
-
-def _loss64_and_grads(x, w, c):
-    x64, w64 = x.astype(np.float64), w.astype(np.float64)
-    g = (1 - np.tanh(x64 @ w64) ** 2) * c
-    return (lambda x, w: np.sum(np.tanh(x @ w) * c)), g @ w64.T, x64.T @ g
 
 # Relative gradient-norm error allowed per backward precision. The forward's e4m3 error (~2-3% of y here)
 # moves tanh'(y); bf16 operands add 2^-9 per element; e5m2 (2 mantissa bits, rel. rounding 2^-3) adds ~5-8%.
 TOL = {"float32": 0.1, "bf16": 0.1, "e5m2": 0.2}
-
 
 def _rel(a, b):
     return float(np.linalg.norm(np.asarray(a, np.float64) - b) / np.linalg.norm(b))
@@ -36,12 +22,12 @@ def _rel(a, b):
 
 @pytest.mark.parametrize("grad", training.GRAD_PRECISIONS)
 def test_grads_vs_finite_differences_and_bf16_reference(grad):
-    x, w, c = _smooth_problem(11)
+    x, w, c = smooth_problem(11)
     f = training.make_fp8_train_dot_general(grad)
     loss = lambda x, w: jnp.sum(jnp.tanh(f(x, w, LINEAR_DN)) * c)  # noqa: E731
     gx, gw = jax.grad(loss, argnums=(0, 1))(jnp.asarray(x), jnp.asarray(w))
     assert gx.dtype == jnp.float32 and gw.dtype == jnp.float32
-    loss64, gx64, gw64 = _loss64_and_grads(x, w, c)
+    loss64, gx64, gw64 = loss64_and_grads(x, w, c)
     assert _rel(gx, gx64) < TOL[grad] and _rel(gw, gw64) < TOL[grad]
     # directional finite differences of the smooth float64 loss
     rng = np.random.default_rng(12)
@@ -60,7 +46,7 @@ def test_grads_vs_finite_differences_and_bf16_reference(grad):
 
 
 def test_float32_backward_is_the_exact_straight_through_vjp():
-    x, w, _ = _smooth_problem(13, m=5, k=130, n=40)
+    x, w, _ = smooth_problem(13, m=5, k=130, n=40)
     f = training.make_fp8_train_dot_general("float32")
     y, vjp = jax.vjp(lambda a, b: f(a, b, LINEAR_DN), jnp.asarray(x), jnp.asarray(w))
     g = np.random.default_rng(14).standard_normal(y.shape).astype(np.float32)

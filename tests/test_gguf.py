@@ -263,15 +263,6 @@ def test_verify_sha256(tmp_path):
 # ----------------------------------------------------------------------------- SmolLM2 vs transformers
 
 @pytest.fixture(scope="module")
-def smollm2_path():
-    from fp8rl_jax.assets import AssetNotFoundError, smollm2_gguf_path
-    try:
-        return smollm2_gguf_path()
-    except AssetNotFoundError as e:
-        pytest.skip(str(e))
-
-
-@pytest.fixture(scope="module")
 def ours(smollm2_path):
     return load_gguf(smollm2_path)
 

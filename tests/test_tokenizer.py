@@ -36,15 +36,6 @@ MESSAGES = [
 
 
 @pytest.fixture(scope="module")
-def smollm2_path():
-    from fp8rl_jax.assets import AssetNotFoundError, smollm2_gguf_path
-    try:
-        return smollm2_gguf_path()
-    except AssetNotFoundError as e:
-        pytest.skip(str(e))
-
-
-@pytest.fixture(scope="module")
 def ours(smollm2_path):
     return Tokenizer.from_gguf(smollm2_path)
 

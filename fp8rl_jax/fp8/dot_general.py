@@ -385,16 +385,30 @@ def make_fp8_dot_general(config: Fp8DotConfig | None = None, **kwargs):
       ValueError: unsupported ``dimension_numbers`` (see :func:`dot_spec`) or non-float operands.
     """
     cfg = config or Fp8DotConfig(**kwargs)
+    dot_general = wrap_dot_general(lambda lhs, rhs, spec, out_dtype: _fp8_dot_ste(lhs, rhs, spec, cfg, out_dtype))
+    dot_general.fp8_config = cfg
+    dot_general.__doc__ = f"FP8 dot_general ({cfg})."
+    return dot_general
+
+
+def wrap_dot_general(impl):
+    """Give ``impl(lhs, rhs, spec, out_dtype)`` the signature of ``jax.lax.dot_general``.
+
+    The returned function converts the operands to arrays, checks them (:func:`_check_inputs`), resolves
+    ``dimension_numbers`` with :func:`dot_spec` and the result dtype from ``preferred_element_type``;
+    ``precision`` is ignored (the FP8 kernels fix their own precision).
+
+    Raises (when called):
+      ValueError: unsupported ``dimension_numbers`` or non-float operands.
+    """
 
     def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, out_sharding=None):
         del precision
         lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
         _check_inputs(lhs, rhs, out_sharding)
         spec = dot_spec(lhs.shape, rhs.shape, dimension_numbers)
-        return _fp8_dot_ste(lhs, rhs, spec, cfg, _out_dtype(lhs, rhs, preferred_element_type))
+        return impl(lhs, rhs, spec, _out_dtype(lhs, rhs, preferred_element_type))
 
-    dot_general.fp8_config = cfg
-    dot_general.__doc__ = f"FP8 dot_general ({cfg})."
     return dot_general
 
 

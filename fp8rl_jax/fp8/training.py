@@ -27,8 +27,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from fp8rl_jax.fp8.dot_general import (DotSpec, Fp8DotConfig, OperandQuant, _check_inputs, _out_dtype, dot_spec,
-                                       fp8_forward_canonical)
+from fp8rl_jax.fp8.dot_general import DotSpec, Fp8DotConfig, OperandQuant, fp8_forward_canonical, wrap_dot_general
 from fp8rl_jax.fp8.formats import GRAD_E5M2
 
 GRAD_PRECISIONS = ("bf16", "e5m2", "float32")
@@ -111,13 +110,7 @@ def make_fp8_train_dot_general(grad: str = "bf16", forward: Fp8DotConfig | None 
     """
     cfg = Fp8TrainConfig(grad=grad, forward=forward or Fp8DotConfig())
 
-    def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, out_sharding=None):
-        del precision
-        lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
-        _check_inputs(lhs, rhs, out_sharding)
-        spec = dot_spec(lhs.shape, rhs.shape, dimension_numbers)
-        return _fp8_train_dot(lhs, rhs, spec, cfg, _out_dtype(lhs, rhs, preferred_element_type))
-
+    dot_general = wrap_dot_general(lambda lhs, rhs, spec, out_dtype: _fp8_train_dot(lhs, rhs, spec, cfg, out_dtype))
     dot_general.fp8_train_config = cfg
     dot_general.__doc__ = f"FP8 training dot_general ({cfg})."
     return dot_general
