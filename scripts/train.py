@@ -2,6 +2,10 @@
 """Main job: GRPO with FP8 rollout, configured by gin.
 
     python scripts/train.py --gin_file=configs/quickstart.gin --gin_param='train.num_steps=3' --output_dir=DIR
+    python scripts/train.py ... --output_dir=DIR --resume      # continue from DIR/checkpoints (latest step)
+
+Training precision is one gin line: ``train.train_precision = "bf16"`` | ``"fp16"`` | ``"fp8"`` (default
+``"float32"``). Checkpoints: ``train.checkpoint_every`` / ``train.keep_checkpoints`` (orbax, async).
 
 ``--gin_file`` and ``--gin_param`` may repeat; bindings use the names of ``fp8rl_jax.trainer.TrainConfig``
 (``train.*``), ``LossConfig.*`` (policy loss and rollout correction) and ``chain_sum_dataset.*``.
@@ -22,6 +26,8 @@ def main(argv=None) -> int:
     parser.add_argument("--gin_file", action="append", default=[], help="gin config file (repeatable)")
     parser.add_argument("--gin_param", action="append", default=[], help="gin binding, e.g. train.num_steps=3")
     parser.add_argument("--output_dir", default=None, help="run directory (overrides train.output_dir)")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue from the latest checkpoint in OUTPUT_DIR/checkpoints (same as train.resume=True)")
     args = parser.parse_args(argv)
 
     import gin
@@ -40,11 +46,18 @@ def main(argv=None) -> int:
     from fp8rl_jax.trainer import TrainConfig, train
 
     try:
-        cfg = TrainConfig(**({"output_dir": args.output_dir} if args.output_dir else {}))
+        kw = {"output_dir": args.output_dir} if args.output_dir else {}
+        if args.resume:
+            kw["resume"] = True
+        cfg = TrainConfig(**kw)
     except (ValueError, TypeError) as e:
         print(f"error: bad configuration: {e}", file=sys.stderr)
         return 2
-    train(cfg)
+    try:
+        train(cfg)
+    except FileNotFoundError as e:  # e.g. a checkpoint with missing files: one clear line, no traceback
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

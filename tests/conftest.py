@@ -13,14 +13,23 @@ import pytest
 
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, max_position_embeddings=256, rms_norm_eps=1e-6)
+# Qwen3-MoE extras: 4 experts, top-2, renormalised; every layer sparse unless overridden.
+TINY_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
+                decoder_sparse_step=1, mlp_only_layers=[])
 
 
 def make_hf_model(arch: str, tie: bool = False, seed: int = 0, **overrides):
-    """A random-weight ``transformers`` model (float32, eval mode) of the given family."""
+    """A random-weight ``transformers`` model (float32, eval mode) of the given family.
+
+    ``arch`` is ``llama`` | ``qwen2`` | ``qwen3`` | ``qwen3_moe`` (``TINY`` + ``TINY_MOE`` sizes).
+    """
     torch = pytest.importorskip("torch", reason="needs the [test] extra (torch)")
     transformers = pytest.importorskip("transformers", reason="needs the [test] extra (transformers)")
-    cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config}[arch]
+    cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config,
+           "qwen3_moe": transformers.Qwen3MoeConfig}[arch]
     kw = dict(TINY, tie_word_embeddings=tie, eos_token_id=3, bos_token_id=1, pad_token_id=0)
+    if arch == "qwen3_moe":
+        kw.update(TINY_MOE)
     kw.update(overrides)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(cls(**kw), dtype=torch.float32).eval()
@@ -33,3 +42,44 @@ def make_hf_model(arch: str, tie: bool = False, seed: int = 0, **overrides):
 @pytest.fixture
 def rng():
     return np.random.default_rng(0)
+
+
+@pytest.fixture(scope="session")
+def smollm2_path():
+    """Path of the packaged SmolLM2-135M-Instruct GGUF (installed by ``make setup``; a missing asset fails)."""
+    from fp8rl_jax.assets import smollm2_gguf_path
+
+    return smollm2_gguf_path()
+
+
+def make_byte_tokenizer(directory):
+    """A tiny byte-level tokenizer (259 ids: ``<pad>``=0, ``<|im_start|>``=1, ``<|im_end|>``=2 (eos), then the
+    256 GPT-2 byte symbols, no merges) with a ChatML template, saved as ``tokenizer.json`` +
+    ``tokenizer_config.json`` in ``directory``; for trainer tests on tiny models (small vocab = fast)."""
+    from tokenizers import AddedToken, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer as HFTokenizer
+
+    from fp8rl_jax.models.tokenizer import Tokenizer, _bytes_to_unicode
+
+    specials = ["<pad>", "<|im_start|>", "<|im_end|>"]
+    vocab = {t: i for i, t in enumerate(specials)}
+    for ch in _bytes_to_unicode().values():
+        vocab[ch] = len(vocab)
+    hf = HFTokenizer(models.BPE(vocab=vocab, merges=[]))
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    hf.decoder = decoders.ByteLevel()
+    hf.add_special_tokens([AddedToken(t, special=True) for t in specials])
+    template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    tok = Tokenizer(hf, chat_template=template, eos_token="<|im_end|>", pad_token="<pad>")
+    tok.save(str(directory))
+    return tok
+
+
+def make_tiny_run_dir(directory, arch: str = "llama", **overrides) -> str:
+    """An HF directory with a tiny random model (``TINY`` sizes, vocab 320) and :func:`make_byte_tokenizer`:
+    a ``train.model`` for fast end-to-end trainer tests. Returns ``str(directory)``."""
+    make_hf_model(arch, **dict(dict(vocab_size=320, eos_token_id=2, bos_token_id=1, pad_token_id=0), **overrides)
+                  ).save_pretrained(directory)
+    make_byte_tokenizer(directory)
+    return str(directory)

@@ -67,6 +67,27 @@ def _messages(question: str, system_prompt: str | None, instruction: str | None)
     return msgs
 
 
+def _load_items(relpath: str, limit: int | None, *, name: str, task: str, question_key: str,
+                solution_key: str, answer_of: Callable[[str], str | None], missing_answer: str,
+                metadata_of: Callable[[int, dict, str], dict], system_prompt: str | None,
+                instruction: str | None) -> ListDataset:
+    """The row loop shared by the evaluation sets: read the first ``limit`` docs of ``relpath``, take the
+    question (``doc[question_key]``) and reference solution (``doc[solution_key]``), derive the answer with
+    ``answer_of(solution)`` (None or blank -> ValueError naming the row and ``missing_answer``), and build
+    zero-shot ``PromptItem``s with ``metadata_of(row, doc, solution)``."""
+    path, docs = _read_docs(relpath, _check_limit(limit))
+    items = []
+    for i, doc in docs:
+        question = _require_str(path, i, doc, question_key)
+        solution = _require_str(path, i, doc, solution_key)
+        answer = answer_of(solution)
+        if answer is None or not answer.strip():
+            raise ValueError(f"{path}: row {i}: {missing_answer}")
+        items.append(PromptItem(messages=_messages(question.strip(), system_prompt, instruction),
+                                answer=answer.strip(), task=task, metadata=metadata_of(i, doc, solution)))
+    return ListDataset(items, name=name)
+
+
 def gsm8k_final_answer(solution: str) -> str | None:
     """GSM8K convention: the final answer follows the last ``####`` of the solution; commas are removed
     (``"#### 1,450,000"`` -> ``"1450000"``). None when there is no ``####`` or nothing after it."""
@@ -96,19 +117,12 @@ def load_gsm8k_test(limit: int | None = None, system_prompt: str | None = None,
       ValueError: bad ``limit``; a row that is not JSON, lacks ``question``/``answer``, or has no ``####``
         (the message names the row index).
     """
-    path, docs = _read_docs(GSM8K_FILE, _check_limit(limit))
-    items = []
-    for i, doc in docs:
-        question = _require_str(path, i, doc, "question")
-        solution = _require_str(path, i, doc, "answer")
-        answer = gsm8k_final_answer(solution)
-        if answer is None:
-            raise ValueError(f"{path}: row {i}: solution has no final answer after '####'")
-        items.append(PromptItem(
-            messages=_messages(question.strip(), system_prompt, instruction), answer=answer, task="gsm8k",
-            metadata={"index": i, "id": doc.get("id", i), "solution": solution,
-                      "raw_answer": solution.rsplit("####", 1)[1].strip()}))
-    return ListDataset(items, name="gsm8k_test")
+    return _load_items(
+        GSM8K_FILE, limit, name="gsm8k_test", task="gsm8k", question_key="question", solution_key="answer",
+        answer_of=gsm8k_final_answer, missing_answer="solution has no final answer after '####'",
+        metadata_of=lambda i, doc, solution: {"index": i, "id": doc.get("id", i), "solution": solution,
+                                              "raw_answer": solution.rsplit("####", 1)[1].strip()},
+        system_prompt=system_prompt, instruction=instruction)
 
 
 @gin.configurable
@@ -129,20 +143,12 @@ def load_math500(limit: int | None = None, system_prompt: str | None = None,
       ValueError: bad ``limit``; a row that is not JSON, lacks ``problem``/``solution``, or whose solution
         has no balanced ``\\boxed{}`` (the message names the row index).
     """
-    path, docs = _read_docs(MATH500_FILE, _check_limit(limit))
-    items = []
-    for i, doc in docs:
-        problem = _require_str(path, i, doc, "problem")
-        solution = _require_str(path, i, doc, "solution")
-        boxed = last_boxed_content(solution)
-        if boxed is None or not boxed.strip():
-            raise ValueError(f"{path}: row {i}: solution has no non-empty balanced \\boxed{{...}}")
-        items.append(PromptItem(
-            messages=_messages(problem.strip(), system_prompt, instruction), answer=boxed.strip(),
-            task="math500",
-            metadata={"index": i, "level": doc.get("level"), "solution": solution,
-                      "file_answer": doc.get("answer")}))
-    return ListDataset(items, name="math500")
+    return _load_items(
+        MATH500_FILE, limit, name="math500", task="math500", question_key="problem", solution_key="solution",
+        answer_of=last_boxed_content, missing_answer="solution has no non-empty balanced \\boxed{...}",
+        metadata_of=lambda i, doc, solution: {"index": i, "level": doc.get("level"), "solution": solution,
+                                              "file_answer": doc.get("answer")},
+        system_prompt=system_prompt, instruction=instruction)
 
 
 EVAL_SETS: dict[str, Callable[..., Any]] = {"gsm8k": load_gsm8k_test, "math500": load_math500}

@@ -25,27 +25,51 @@ import numpy as np
 from flax import nnx
 
 from fp8rl_jax.fp8 import BLOCK_SIZE, E4M3, w8a8_block_matmul
+from fp8rl_jax.fp8.kv_cache import dequantize_kv, quantize_kv
 from fp8rl_jax.models.config import ModelConfig
 
 LINEAR_PRECISIONS = ("dense", "fp8")
 
 
 class KVCache(NamedTuple):
-    """Preallocated per-layer key/value cache.
+    """Preallocated per-layer key/value cache, optionally FP8 (vLLM ``kv_cache_dtype="fp8_e4m3"`` semantics).
 
     Attributes:
-      k, v: tuples (one per layer) of ``[B, T_max, num_key_value_heads, head_dim]`` arrays (cache dtype).
+      k, v: tuples (one per layer) of ``[B, T_max, num_key_value_heads, head_dim]`` arrays (cache dtype:
+        the model dtype, or ``float8_e4m3fn``).
+      k_scale, v_scale: float32 ``[num_layers]`` dequantization multipliers (required for an e4m3 cache: stored
+        ``fp8(k / k_scale)``, read ``fp8 * k_scale``; see :mod:`fp8rl_jax.fp8.kv_cache`), else ``None``.
+      q_scale: float32 ``[num_layers]`` to run attention on e4m3 queries too (FP8 attention), else ``None``.
     """
 
     k: tuple
     v: tuple
+    k_scale: Any = None
+    v_scale: Any = None
+    q_scale: Any = None
 
     @classmethod
-    def zeros(cls, cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) -> "KVCache":
-        """An empty cache for ``batch`` sequences of up to ``max_len`` slots."""
+    def zeros(cls, cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32, *, k_scale=None, v_scale=None,
+              q_scale=None) -> "KVCache":
+        """An empty cache for ``batch`` sequences of up to ``max_len`` slots.
+
+        Raises:
+          ValueError: an e4m3 ``dtype`` without ``k_scale``/``v_scale``, or scales not of shape ``[num_layers]``.
+        """
         shape = (batch, max_len, cfg.num_key_value_heads, cfg.head_dim)
+        if jnp.dtype(dtype) == jnp.dtype(E4M3) and (k_scale is None or v_scale is None):
+            raise ValueError("an fp8_e4m3 KV cache needs per-layer k_scale and v_scale")
+        for name, sc in (("k_scale", k_scale), ("v_scale", v_scale), ("q_scale", q_scale)):
+            if sc is not None and tuple(jnp.shape(sc)) != (cfg.num_hidden_layers,):
+                raise ValueError(f"KVCache {name} must have shape ({cfg.num_hidden_layers},), got {jnp.shape(sc)}")
         z = tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_hidden_layers))
-        return cls(k=z, v=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_hidden_layers)))
+        return cls(k=z, v=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_hidden_layers)), k_scale=k_scale,
+                   v_scale=v_scale, q_scale=q_scale)
+
+    def layer(self, i: int) -> tuple:
+        """Layer ``i``'s ``(k, v, k_scale, v_scale, q_scale)`` as :class:`Attention` takes it (scales may be None)."""
+        pick = lambda s: None if s is None else s[i]  # noqa: E731
+        return (self.k[i], self.v[i], pick(self.k_scale), pick(self.v_scale), pick(self.q_scale))
 
 
 class Linear(nnx.Module):
@@ -53,7 +77,9 @@ class Linear(nnx.Module):
 
     With ``precision="fp8"`` the parameters are ``weight`` (e4m3 ``[N, K]``) and ``weight_scale_inv``
     (float32 ``[ceil(N/128), ceil(K/128)]``) and the product is the W8A8 blockwise FP8 matmul
-    (:func:`fp8rl_jax.fp8.w8a8_block_matmul`).
+    (:func:`fp8rl_jax.fp8.w8a8_block_matmul`). A dense layer whose ``dot_general`` attribute is set (see
+    :func:`fp8rl_jax.trainer.precision.apply_train_precision`) computes ``dot_general(x, weight, contract K)``
+    instead of the einsum, e.g. the FP8 training product with its custom VJP.
     """
 
     def __init__(self, in_features: int, out_features: int, *, use_bias: bool = False, precision: str = "dense",
@@ -61,6 +87,9 @@ class Linear(nnx.Module):
         if precision not in LINEAR_PRECISIONS:
             raise ValueError(f"linear precision {precision!r} not in {LINEAR_PRECISIONS}")
         self.precision, self.dtype, self.block_size = precision, dtype, block_size
+        # Optional ``jax.lax.dot_general``-compatible product for the dense path (e.g. the FP8 training VJP of
+        # :func:`fp8rl_jax.fp8.training.make_fp8_train_dot_general`); ``None`` = plain einsum.
+        self.dot_general = None
         if precision == "fp8":
             self.weight = nnx.Param(jnp.zeros((out_features, in_features), E4M3))
             self.weight_scale_inv = nnx.Param(jnp.ones(
@@ -73,6 +102,9 @@ class Linear(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         if self.precision == "fp8":
             y = w8a8_block_matmul(x, self.weight[...], self.weight_scale_inv[...], self.block_size, out_dtype=self.dtype)
+        elif self.dot_general is not None:
+            xd = x.astype(self.dtype)
+            y = self.dot_general(xd, self.weight[...].astype(self.dtype), (((xd.ndim - 1,), (1,)), ((), ())))
         else:
             y = jnp.einsum("...k,nk->...n", x.astype(self.dtype), self.weight[...].astype(self.dtype))
         if self.bias is not None:
@@ -147,8 +179,18 @@ class Attention(nnx.Module):
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps, param_dtype)
         else:
             self.q_norm = self.k_norm = None
+        # When True (see :func:`set_qkv_capture`), a cache-less forward sows the per-token max |q|, |k|, |v|
+        # (after QK-norm and RoPE) for FP8 KV-scale calibration; read it with ``nnx.capture`` (pop_qkv_absmax).
+        self.capture_qkv_absmax = False
 
     def __call__(self, x, positions, inv_freq, kv_mask, q_slots, cache_kv=None, cache_index=None):
+        """Attention over ``x [B, S, hidden]``; returns ``(out [B, S, hidden], new_kv or None)``.
+
+        ``cache_kv`` is ``(k, v)`` or :meth:`KVCache.layer`'s ``(k, v, k_scale, v_scale, q_scale)``. An e4m3
+        cache is written as ``fp8(k / k_scale)`` and read as ``fp8 * k_scale`` (vLLM semantics); with a
+        ``q_scale`` the queries are quantized too and ``QK^T`` runs on e4m3 values with float32 accumulation,
+        times ``q_scale * k_scale`` (FP8 attention; the softmax probabilities stay in ``dtype``).
+        """
         b, s, _ = x.shape
         q = self.q_proj(x).reshape(b, s, self.num_heads, self.head_dim)
         k = self.k_proj(x).reshape(b, s, self.num_kv_heads, self.head_dim)
@@ -156,17 +198,35 @@ class Attention(nnx.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+        if self.capture_qkv_absmax and cache_kv is None:
+            amax = lambda a: jnp.max(jnp.abs(a.astype(jnp.float32)), axis=(-2, -1))  # noqa: E731  [B, S]
+            self.sow(nnx.Intermediate, "qkv_absmax", jax.lax.stop_gradient(jnp.stack([amax(q), amax(k), amax(v)])))
         new_kv = None
+        qk_scale = None  # set when QK^T runs on e4m3 values (FP8 attention)
         if cache_kv is not None:
-            ck, cv = cache_kv
-            ck = jax.lax.dynamic_update_slice(ck, k.astype(ck.dtype), (0, cache_index, 0, 0))
-            cv = jax.lax.dynamic_update_slice(cv, v.astype(cv.dtype), (0, cache_index, 0, 0))
+            ck, cv = cache_kv[0], cache_kv[1]
+            ks, vs, qs = (tuple(cache_kv[2:]) + (None, None, None))[:3]
+            if ck.dtype == jnp.dtype(E4M3):
+                if ks is None or vs is None:
+                    raise ValueError("an fp8_e4m3 KV cache needs k_scale and v_scale")
+                ck = jax.lax.dynamic_update_slice(ck, quantize_kv(k, ks), (0, cache_index, 0, 0))
+                cv = jax.lax.dynamic_update_slice(cv, quantize_kv(v, vs), (0, cache_index, 0, 0))
+                v = dequantize_kv(cv, vs, self.dtype)
+                if qs is not None:
+                    q, k, qk_scale = quantize_kv(q, qs).astype(jnp.float32), ck.astype(jnp.float32), qs * ks
+                else:
+                    k = dequantize_kv(ck, ks, self.dtype)
+            else:
+                ck = jax.lax.dynamic_update_slice(ck, k.astype(ck.dtype), (0, cache_index, 0, 0))
+                cv = jax.lax.dynamic_update_slice(cv, v.astype(cv.dtype), (0, cache_index, 0, 0))
+                k, v = ck.astype(self.dtype), cv.astype(self.dtype)
             new_kv = (ck, cv)
-            k, v = ck.astype(self.dtype), cv.astype(self.dtype)
         t = k.shape[1]
         g = self.num_heads // self.num_kv_heads
         qg = q.reshape(b, s, self.num_kv_heads, g, self.head_dim)
         scores = jnp.einsum("bskgd,btkd->bkgst", qg, k, preferred_element_type=jnp.float32)
+        if qk_scale is not None:
+            scores = scores * qk_scale
         scores = scores / math.sqrt(self.head_dim)
         allowed = kv_mask[:, None, :] & (jnp.arange(t)[None, None, :] <= q_slots[:, :, None])  # [B, S, T]
         scores = jnp.where(allowed[:, None, None], scores, -1e30)
@@ -189,14 +249,24 @@ class MLP(nnx.Module):
 
 
 class DecoderLayer(nnx.Module):
-    """Pre-norm transformer block (HF ``LlamaDecoderLayer`` semantics)."""
+    """Pre-norm transformer block (HF ``LlamaDecoderLayer`` semantics).
 
-    def __init__(self, cfg: ModelConfig, **kw):
+    ``layer_idx`` selects the MLP: a Qwen3-MoE sparse layer (``cfg.is_sparse_layer(layer_idx)``) gets a
+    :class:`fp8rl_jax.models.moe.SparseMoeBlock` (router ``mlp.gate`` + ``mlp.experts.{j}.*``), every other
+    layer the dense SwiGLU :class:`MLP` (HF ``Qwen3MoeDecoderLayer``).
+    """
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int = 0, **kw):
         pd = kw["param_dtype"]
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, pd)
         self.self_attn = Attention(cfg, **kw)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, pd)
-        self.mlp = MLP(cfg, **kw)
+        if cfg.is_sparse_layer(layer_idx):
+            from fp8rl_jax.models.moe import SparseMoeBlock
+
+            self.mlp = SparseMoeBlock(cfg, **kw)
+        else:
+            self.mlp = MLP(cfg, **kw)
 
     def __call__(self, x, positions, inv_freq, kv_mask, q_slots, cache_kv=None, cache_index=None):
         a, new_kv = self.self_attn(self.input_layernorm(x), positions, inv_freq, kv_mask, q_slots, cache_kv, cache_index)
@@ -219,7 +289,7 @@ class DecoderModel(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, **kw):
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, kw["param_dtype"], kw["rngs"])
-        self.layers = nnx.List([DecoderLayer(cfg, **kw) for _ in range(cfg.num_hidden_layers)])
+        self.layers = nnx.List([DecoderLayer(cfg, i, **kw) for i in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kw["param_dtype"])
 
 
@@ -267,13 +337,13 @@ class CausalLM(nnx.Module):
         x = self.model.embed_tokens(input_ids).astype(self.dtype)
         new_k, new_v = [], []
         for i, layer in enumerate(self.model.layers):
-            ckv = (cache.k[i], cache.v[i]) if cache is not None else None
+            ckv = cache.layer(i) if cache is not None else None
             x, kv = layer(x, positions, inv_freq, kv_mask, q_slots, ckv, cache_index)
             if kv is not None:
                 new_k.append(kv[0])
                 new_v.append(kv[1])
         h = self.model.norm(x)
-        return h, (KVCache(tuple(new_k), tuple(new_v)) if cache is not None else None)
+        return h, (cache._replace(k=tuple(new_k), v=tuple(new_v)) if cache is not None else None)
 
     def logits(self, h: jax.Array) -> jax.Array:
         """``lm_head`` (or tied embeddings) applied to hidden states: ``[..., hidden] -> [..., vocab]`` float32."""
@@ -295,6 +365,40 @@ class CausalLM(nnx.Module):
         h, new_cache = self.hidden_states(input_ids, positions, kv_mask, cache, cache_index)
         logits = self.logits(h)
         return (logits, new_cache) if cache is not None else logits
+
+
+def set_qkv_capture(model: nnx.Module, enabled: bool = True) -> None:
+    """Make every :class:`Attention` of ``model`` sow its per-token max |q|, |k|, |v| in cache-less forwards.
+
+    The values (after QK-norm and RoPE, what a KV cache stores) are read with ``nnx.capture`` and
+    :func:`qkv_absmax_from_intermediates`; this is how the trainer calibrates FP8 KV scales from its own
+    training forward without an extra pass (NeMo-RL hooks the same tensors). Decoding with a cache never sows.
+    """
+    for _, mod in model.iter_modules():
+        if isinstance(mod, Attention):
+            mod.capture_qkv_absmax = bool(enabled)
+
+
+def qkv_absmax_from_intermediates(intermediates, num_layers: int) -> jax.Array:
+    """Stack the sown ``qkv_absmax`` of each layer: float32 ``[num_layers, 3 (q, k, v), B, S]``.
+
+    Args:
+      intermediates: the ``nnx.Intermediate`` state returned by ``nnx.capture(fn, nnx.Intermediate)``.
+      num_layers: layers expected.
+
+    Raises:
+      ValueError: a layer did not sow (capture not enabled with :func:`set_qkv_capture`, or a cached forward).
+    """
+    found = {}
+    for path, var in nnx.to_flat_state(intermediates):
+        if path and path[-1] == "qkv_absmax" and "layers" in path:
+            val = var.get_value() if isinstance(var, nnx.Variable) else var
+            found[int(path[path.index("layers") + 1])] = val[-1] if isinstance(val, tuple) else val
+    missing = [i for i in range(num_layers) if i not in found]
+    if missing:
+        raise ValueError(f"no captured q/k/v maxima for layers {missing[:8]}: call set_qkv_capture(model) and run "
+                         "a cache-less forward under nnx.capture(..., nnx.Intermediate)")
+    return jnp.stack([found[i] for i in range(num_layers)])
 
 
 def positions_from_mask(mask: jax.Array) -> jax.Array:

@@ -7,6 +7,13 @@ padded row computes exactly what it would alone.
 
 Weights are bf16/float32 dense or FP8 W8A8 blockwise (``precision``), and are replaced in place by
 :meth:`JaxRolloutEngine.update_weights` from the trainer's :class:`ExportedWeights` each step.
+
+The KV cache is kept in the model dtype (``kv_cache_dtype="auto"``) or in e4m3 (``"fp8_e4m3"``, vLLM semantics:
+per-layer scalar ``k_scale``/``v_scale`` dequantization multipliers, optional ``q_scale`` FP8 attention). The
+scales arrive with the weights (``model.layers.{i}.self_attn.{k,v,q}_scale``) and are applied in place; an FP8
+engine refuses to generate while its scales are older than its weights. With ``kv_cache_memory_bytes`` the cache
+is budgeted in bytes as in vLLM (pages of 16 tokens): a batch that does not fit runs in chunks of at most the
+maximum concurrency, so an e4m3 cache runs twice the sequences of a bf16 one at once.
 """
 
 from __future__ import annotations
@@ -20,6 +27,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from fp8rl_jax.fp8.kv_cache import (DEFAULT_BLOCK_SIZE, KVCacheCapacity, KVScales, is_kv_scale_name,
+                                    kv_cache_bytes_per_token, kv_cache_capacity, kv_cache_storage_dtype,
+                                    normalize_kv_cache_dtype)
 from fp8rl_jax.models.config import ModelConfig
 from fp8rl_jax.models.decoder import KVCache, left_pad, param_name, positions_from_mask
 from fp8rl_jax.models.loading import build_model
@@ -34,6 +44,10 @@ class StaleWeightsError(RuntimeError):
     """Raised when generation is requested with weights older than the engine was told to expect."""
 
 
+class StaleKVScalesError(StaleWeightsError):
+    """Raised when an FP8 KV cache would be used with ``k_scale``/``v_scale`` older than the loaded weights."""
+
+
 class JaxRolloutEngine:
     """Embedded rollout engine (implements :class:`fp8rl_jax.rollout.types.RolloutEngine`).
 
@@ -45,24 +59,54 @@ class JaxRolloutEngine:
       eos_token_ids: ids that end a response unless ``ignore_eos`` (default: the config's EOS ids).
       prompt_bucket: prompts are left-padded to a multiple of this (limits recompilation).
       seed: base PRNG seed for calls without ``SamplingParams.seed``.
+      kv_cache_dtype: ``"auto"`` (cache in the model dtype) or ``"fp8_e4m3"`` (vLLM names; ``"fp8"`` accepted).
+        An e4m3 cache needs ``model.layers.{i}.self_attn.{k,v}_scale`` tensors in ``weights`` (or
+        :meth:`set_kv_scales`) before :meth:`generate`.
+      kv_cache_memory_bytes: cache budget in bytes (vLLM's name); ``None`` = unbounded (one pass per batch).
+      fp8_attention: also quantize queries with ``q_scale`` and run ``QK^T`` on e4m3 values (needs fp8_e4m3).
+      max_model_len: tokens per request for the concurrency report (default: ``max_position_embeddings``).
+      kv_block_size: tokens per cache page for the byte budget (vLLM default 16).
+      log_kv_cache: print the cache-capacity line at start (as vLLM logs "GPU KV cache size").
 
     Raises:
-      ValueError: unknown precision, or weights in the wrong format.
+      ValueError: unknown precision or kv_cache_dtype, weights in the wrong format, ``fp8_attention`` without an
+        FP8 cache, or malformed kv scales.
     """
 
     def __init__(self, config: ModelConfig, weights: ExportedWeights, *, precision: str = "fp8",
                  pad_token_id: int | None = None, eos_token_ids: Sequence[int] | None = None,
-                 prompt_bucket: int = 16, seed: int = 0):
+                 prompt_bucket: int = 16, seed: int = 0, kv_cache_dtype: str = "auto",
+                 kv_cache_memory_bytes: int | None = None, fp8_attention: bool = False,
+                 max_model_len: int | None = None, kv_block_size: int = DEFAULT_BLOCK_SIZE,
+                 log_kv_cache: bool = True):
         if precision not in ENGINE_PRECISIONS:
             raise ValueError(f"unknown rollout precision {precision!r}; expected one of {sorted(ENGINE_PRECISIONS)}")
         self.config, self.precision = config, precision
         linear, dtype, self.weight_format = ENGINE_PRECISIONS[precision]
+        self.kv_cache_dtype = normalize_kv_cache_dtype(kv_cache_dtype)
+        if fp8_attention and self.kv_cache_dtype != "fp8_e4m3":
+            raise ValueError("fp8_attention=True needs kv_cache_dtype='fp8_e4m3' (as in vLLM)")
+        self.fp8_attention = bool(fp8_attention)
         self._check_format(weights)
-        self.model = build_model(config, weights.tensors, linear_precision=linear, param_dtype=dtype, dtype=dtype)
-        self.cache_dtype = jnp.dtype(dtype)
+        params = {k: v for k, v in weights.tensors.items() if not is_kv_scale_name(k)}
+        self.model = build_model(config, params, linear_precision=linear, param_dtype=dtype, dtype=dtype)
+        self.cache_dtype = kv_cache_storage_dtype(self.kv_cache_dtype, dtype)
         self.graphdef, self.state = nnx.split(self.model)
         self._names = {param_name(p): v for p, v in nnx.to_flat_state(nnx.state(self.model, nnx.Param))}
         self.weights_version = weights.version
+        self.kv_scales: KVScales | None = None
+        self.kv_scales_version = -1
+        self._apply_kv_scales(weights)
+        self.kv_cache_memory_bytes = kv_cache_memory_bytes
+        self.max_model_len = int(max_model_len or config.max_position_embeddings)
+        self.kv_capacity: KVCacheCapacity | None = None
+        self.last_num_chunks = 0  # generate() passes the last call needed (byte budget)
+        if kv_cache_memory_bytes is not None:
+            self.kv_capacity = kv_cache_capacity(
+                config.num_hidden_layers, config.num_key_value_heads, config.head_dim, kv_cache_memory_bytes,
+                self.kv_cache_dtype, dtype, self.max_model_len, kv_block_size)
+        if log_kv_cache:
+            print(self.kv_cache_report())
         self.pad_token_id = int(pad_token_id if pad_token_id is not None else (config.pad_token_id or 0))
         self.eos_token_ids = tuple(eos_token_ids if eos_token_ids is not None else config.eos_token_ids)
         self.prompt_bucket = prompt_bucket
@@ -74,18 +118,64 @@ class JaxRolloutEngine:
             raise ValueError(f"engine with precision={self.precision!r} needs weights exported as "
                              f"{self.weight_format!r}, got {weights.format!r}")
 
-    def update_weights(self, weights: ExportedWeights) -> None:
-        """Replace all weights in place (no host round trip).
+    def kv_cache_report(self) -> str:
+        """The engine-start line: cache dtype, bytes/token, and with a byte budget the tokens that fit and the
+        maximum concurrency, beside what a bf16 cache would hold (vLLM's "GPU KV cache size" report)."""
+        cfg = self.config
+        if self.kv_capacity is None:
+            bpt = kv_cache_bytes_per_token(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim,
+                                           self.kv_cache_dtype, self.cache_dtype)
+            return (f"[fp8rl_jax engine] KV cache {self.kv_cache_dtype} ({jnp.dtype(self.cache_dtype).name}): "
+                    f"{bpt} B/token, no kv_cache_memory_bytes budget (one pass per batch)")
+        cap = self.kv_capacity
+        line = f"[fp8rl_jax engine] {cap.report()}"
+        if cap.kv_cache_dtype == "fp8_e4m3":
+            ref = kv_cache_capacity(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, cap.memory_bytes,
+                                    "auto", "bfloat16", cap.max_model_len, cap.block_size)
+            line += f" (a bf16 cache would hold {ref.num_tokens:,} tokens, {ref.max_concurrency:.2f}x)"
+        return line
+
+    def _apply_kv_scales(self, weights: ExportedWeights) -> None:
+        scales = KVScales.from_tensors(weights.tensors, self.config.num_hidden_layers)
+        if scales is not None:
+            self.set_kv_scales(scales, weights.metadata.get("kv_scales_version", weights.version))
+
+    def set_kv_scales(self, scales: KVScales, version: int) -> None:
+        """Install per-layer ``k_scale``/``v_scale``/``q_scale`` (float32 ``[num_layers]``) in place.
+
+        Args:
+          scales: the new scales (vLLM's dequantization multipliers).
+          version: the weights version they were calibrated for.
 
         Raises:
-          ValueError: wrong format, missing/unexpected names, or a shape/dtype mismatch (named).
+          ValueError: wrong number of layers, or non-positive / non-finite scales (named).
+        """
+        n = self.config.num_hidden_layers
+        arrs = []
+        for name in ("k_scale", "v_scale", "q_scale"):
+            a = np.asarray(getattr(scales, name), np.float32)
+            if a.shape != (n,):
+                raise ValueError(f"{name} must have shape ({n},), got {a.shape}")
+            if not np.all(np.isfinite(a) & (a > 0)):
+                raise ValueError(f"{name} must be finite and > 0, got {a}")
+            arrs.append(jnp.asarray(a))
+        self.kv_scales = KVScales(*arrs)
+        self.kv_scales_version = int(version)
+
+    def update_weights(self, weights: ExportedWeights) -> None:
+        """Replace all weights (and, when present, the kv scales) in place (no host round trip).
+
+        Raises:
+          ValueError: wrong format, missing/unexpected names, a shape/dtype mismatch, or malformed kv scales
+            (named).
         """
         t0 = time.perf_counter()
         self._check_format(weights)
-        got, want = set(weights.tensors), set(self._names)
+        got, want = {k for k in weights.tensors if not is_kv_scale_name(k)}, set(self._names)
         if got != want:
             raise ValueError(f"weight names do not match the engine: missing {sorted(want - got)[:5]}, "
                              f"unexpected {sorted(got - want)[:5]}")
+        self._apply_kv_scales(weights)  # before touching weights: malformed scales leave the engine unchanged
         for name, var in self._names.items():
             new = weights.tensors[name]
             old = var[...]
@@ -108,12 +198,19 @@ class JaxRolloutEngine:
           expected_version: when given, refuse to generate with weights of an older version.
 
         Raises:
-          ValueError: an empty prompt or a token id outside the vocabulary.
+          ValueError: an empty prompt, a token id outside the vocabulary, or one prompt's n samples not fitting
+            in ``kv_cache_memory_bytes``.
           StaleWeightsError: ``expected_version`` is newer than the loaded weights.
+          StaleKVScalesError: FP8 KV cache whose scales are older than the weights (or were never set).
         """
         if expected_version is not None and self.weights_version < expected_version:
             raise StaleWeightsError(f"engine weights are version {self.weights_version}, trainer expects "
                                     f"{expected_version}: call update_weights first")
+        if self.kv_cache_dtype == "fp8_e4m3" and self.kv_scales_version < self.weights_version:
+            have = "none" if self.kv_scales is None else f"version {self.kv_scales_version}"
+            raise StaleKVScalesError(
+                f"fp8_e4m3 KV cache: k_scale/v_scale are {have} but the weights are version {self.weights_version}; "
+                "export recalibrated scales with the weights (model.layers.{i}.self_attn.k_scale/v_scale)")
         sp = sampling_params
         prompts = [list(p) for p in prompt_token_ids]
         if not prompts or any(len(r) == 0 for r in prompts):
@@ -126,6 +223,16 @@ class JaxRolloutEngine:
         b = len(rows)
         # Each prompt is prefilled once and its KV cache shared by its n samples (as vLLM's prefix cache).
         ids, mask = left_pad(prompts, self.pad_token_id, self.prompt_bucket)
+        chunk = len(prompts)
+        if self.kv_capacity is not None:  # byte budget: run at most max-concurrency sequences at once
+            seq_len = ids.shape[1] + sp.max_tokens
+            fit = self.kv_capacity.max_sequences(seq_len)
+            chunk = min(len(prompts), fit // sp.n)
+            if chunk < 1:
+                raise ValueError(f"kv_cache_memory_bytes={self.kv_capacity.memory_bytes} holds "
+                                 f"{self.kv_capacity.num_tokens} {self.kv_cache_dtype} tokens = {fit} sequence(s) of "
+                                 f"{seq_len} tokens, fewer than the n={sp.n} samples of one prompt")
+        self.last_num_chunks = -(-len(prompts) // chunk)
         stop = set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(self.eos_token_ids))
         stop_arr = np.array(sorted(stop) or [-1], np.int32)
         if sp.seed is not None:
@@ -135,12 +242,22 @@ class JaxRolloutEngine:
         greedy = sp.temperature == 0
         use_top_k = (not greedy) and sp.top_k > 0 and sp.top_k < self.config.vocab_size
         use_top_p = (not greedy) and sp.top_p < 1.0
-        toks, lps, lengths = _generate(
-            self.graphdef, self.state, jnp.asarray(ids), jnp.asarray(mask), key,
-            jnp.float32(max(sp.temperature, 1e-6)), jnp.int32(max(sp.top_k, 1)), jnp.float32(sp.top_p),
-            jnp.asarray(stop_arr), n=sp.n, max_tokens=sp.max_tokens, greedy=greedy, use_top_k=use_top_k,
-            use_top_p=use_top_p, pad_token_id=self.pad_token_id, cache_dtype=self.cache_dtype)
-        toks, lps, lengths = np.asarray(toks), np.asarray(lps), np.asarray(lengths)
+        fp8 = self.kv_cache_dtype == "fp8_e4m3"
+        scales = (self.kv_scales.k_scale, self.kv_scales.v_scale,
+                  self.kv_scales.q_scale if self.fp8_attention else None) if fp8 else (None, None, None)
+        outs = []
+        for c0 in range(0, len(prompts), chunk):
+            if self.last_num_chunks > 1:
+                key, ckey = jax.random.split(key)
+            else:
+                ckey = key
+            outs.append(_generate(
+                self.graphdef, self.state, jnp.asarray(ids[c0:c0 + chunk]), jnp.asarray(mask[c0:c0 + chunk]), ckey,
+                jnp.float32(max(sp.temperature, 1e-6)), jnp.int32(max(sp.top_k, 1)), jnp.float32(sp.top_p),
+                jnp.asarray(stop_arr), *scales, n=sp.n, max_tokens=sp.max_tokens, greedy=greedy,
+                use_top_k=use_top_k, use_top_p=use_top_p, pad_token_id=self.pad_token_id,
+                cache_dtype=self.cache_dtype))
+        toks, lps, lengths = (np.concatenate([np.asarray(o[i]) for o in outs]) for i in range(3))
         resp_mask = (np.arange(sp.max_tokens)[None] < lengths[:, None]).astype(np.float32)
         ended = [bool(lengths[i] > 0 and toks[i, lengths[i] - 1] in stop) for i in range(b)]
         return RolloutBatch(
@@ -157,19 +274,21 @@ class JaxRolloutEngine:
 
 @functools.partial(jax.jit, static_argnames=("n", "max_tokens", "greedy", "use_top_k", "use_top_p", "pad_token_id",
                                              "cache_dtype"))
-def _generate(graphdef, state, ids, mask, key, temperature, top_k, top_p, stop_ids, *, n, max_tokens, greedy,
-              use_top_k, use_top_p, pad_token_id, cache_dtype):
+def _generate(graphdef, state, ids, mask, key, temperature, top_k, top_p, stop_ids, k_scale=None, v_scale=None,
+              q_scale=None, *, n, max_tokens, greedy, use_top_k, use_top_p, pad_token_id, cache_dtype):
     model = nnx.merge(graphdef, state)
     u, p = ids.shape
-    cache = KVCache.zeros(model.config, u, p + max_tokens, cache_dtype)
+    cache = KVCache.zeros(model.config, u, p + max_tokens, cache_dtype, k_scale=k_scale, v_scale=v_scale,
+                          q_scale=q_scale)
     kv_mask = jnp.concatenate([mask, jnp.ones((u, max_tokens), bool)], axis=1)
     positions = positions_from_mask(mask)
     h, cache = model.hidden_states(ids, positions, kv_mask, cache, 0)
     logits = model.logits(h[:, -1])
     next_pos = positions[:, -1] + 1
     if n > 1:  # share each prompt's prefill among its n samples
-        cache, logits, kv_mask, next_pos = jax.tree.map(lambda x: jnp.repeat(x, n, axis=0),
-                                                        (cache, logits, kv_mask, next_pos))
+        ck, cv, logits, kv_mask, next_pos = jax.tree.map(lambda x: jnp.repeat(x, n, axis=0),
+                                                         (cache.k, cache.v, logits, kv_mask, next_pos))
+        cache = cache._replace(k=ck, v=cv)  # per-layer scales are not per-row
     b = u * n
 
     def cond(carry):

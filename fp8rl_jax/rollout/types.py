@@ -88,10 +88,13 @@ class ExportedWeights:
       tensors: ``{hf_name: array}``; linear weights ``[out, in]``. For ``format="fp8_blockwise"`` each linear
         ``...proj.weight`` is e4m3 with a float32 ``...proj.weight_scale_inv`` ``[ceil(out/128), ceil(in/128)]``
         beside it (vLLM's blockwise FP8 checkpoint names); embeddings, norms and lm_head stay ``dense_dtype``.
+        With an FP8 KV cache, per-layer float32 scalars ``model.layers.{i}.self_attn.{k,v,q}_scale`` (vLLM's
+        dequantization multipliers; see :mod:`fp8rl_jax.fp8.kv_cache`) ride along.
       format: ``"fp8_blockwise"`` | ``"bf16"`` | ``"float32"``.
       block_size: FP8 weight block (``[block_size, block_size]``).
       version: monotonically increasing weights version (the trainer step).
-      metadata: free-form extras (e.g. ``{"ue8m0": False}``, kv scales' version).
+      metadata: free-form extras: ``"ue8m0"``; ``"kv_scales_version"`` (the weights version the kv scales were
+        calibrated for; an FP8-cache engine refuses to generate while it is older than ``version``).
     """
 
     tensors: dict[str, Any]

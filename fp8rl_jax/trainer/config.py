@@ -12,6 +12,7 @@ import gin
 
 ROLLOUT_PRECISIONS = ("fp8", "bf16", "float32")
 TRAIN_DTYPES = ("float32",)
+TRAIN_PRECISIONS = ("float32", "bf16", "fp16", "fp8")
 ADVANTAGE_ESTIMATORS = ("grpo", "drgrpo", "rloo")
 
 
@@ -29,13 +30,53 @@ class TrainConfig:
       prompts_per_step: prompts per step (B); ``samples_per_prompt`` completions each (n, the GRPO group).
       max_tokens: response budget; ``temperature``/``top_p``/``top_k``: sampling (vLLM semantics).
       rollout_precision: ``"fp8"`` (W8A8 blockwise), ``"bf16"`` or ``"float32"`` rollout weights.
-      train_dtype: trainer compute/master dtype.
+      train_dtype: trainer master-param dtype (float32; optax updates these).
+      train_precision: forward/backward precision of the trainer: ``"float32"``, ``"bf16"`` (bfloat16 compute),
+        ``"fp16"`` (float16 compute, dynamic loss scaling with overflow-skip) or ``"fp8"`` (W8A8 blockwise e4m3
+        forward of every decoder linear with a bf16 backward, custom VJP); see :mod:`fp8rl_jax.trainer.precision`.
+      fp8_train_grad: backward precision of the FP8 linears (``"bf16"``, ``"e5m2"``, ``"float32"``).
+      loss_scale_init, loss_scale_growth_interval: fp16 dynamic loss scale: initial scale, finite steps per
+        doubling (halved on every overflow, which skips the step).
+      checkpoint_every: save an orbax checkpoint every N steps (and after the last step); 0 = never.
+      keep_checkpoints: keep the last k checkpoints (orbax ``max_to_keep``).
+      async_checkpoint: write checkpoints in the background while training goes on (orbax async).
+      resume: continue from the latest checkpoint in ``output_dir`` when there is one.
+      plots: write PNG plots of the run's metrics at the end.
       learning_rate, weight_decay, adam_b1, adam_b2, adam_eps, warmup_steps, max_grad_norm: optax AdamW with
         linear warmup and global-norm clipping.
       ppo_epochs, num_minibatches: updates per step (1 and 1 = one on-policy update, verl's default shape).
       advantage_estimator: ``"grpo"`` | ``"drgrpo"`` | ``"rloo"``.
       seed: seeds data order, sampling and init.
       progress_bar: show a tqdm bar.
+      max_response_length: verl's ``data.max_response_length``, an alias of ``max_tokens`` (the response budget
+        in tokens, also ``L_max`` of the overlong penalty); None = ``max_tokens``. Setting both to different
+        values is a ValueError. Read the effective budget from :attr:`response_budget`.
+      filter_groups: DAPO dynamic sampling (verl ``algorithm.filter_groups.enable``): drop groups whose
+        ``filter_groups_metric`` is equal across the group, generate more prompt batches until
+        ``prompts_per_step`` groups are kept (:mod:`fp8rl_jax.trainer.dapo`).
+      filter_groups_metric: ``"acc"`` | ``"score"`` (reward before the overlong penalty) | ``"seq_reward"`` |
+        ``"seq_final_reward"`` (after it); verl ``filter_groups.metric``.
+      max_num_gen_batches: give up (ValueError, as verl) after this many generation batches in one step;
+        0 = no limit (verl ``filter_groups.max_num_gen_batches``).
+      overlong_buffer_len: DAPO soft overlong punishment buffer ``L_b`` in tokens (verl
+        ``reward_model.overlong_buffer.len``); 0 disables. ``overlong_penalty_factor``: penalty at the budget
+        (verl ``overlong_buffer.penalty_factor``).
+      overlong_filter: DAPO overlong filtering: truncated responses get no loss (response_mask zeroed).
+      eval_every: evaluate every N steps and at step 0 (``val/<dataset>/...`` lines in ``metrics.jsonl``;
+        verl ``trainer.test_freq``); 0 = never. ``eval_dataset``: ``"gsm8k"`` | ``"math500"``;
+        ``eval_num_examples``: first N problems; ``eval_n``: samples per problem; ``eval_temperature``: 0 =
+        greedy; ``eval_max_tokens``: response budget (None = the training budget); ``eval_batch_size``:
+        prompts per generate call (:func:`fp8rl_jax.trainer.evaluation.evaluate`).
+      kv_cache_dtype: rollout KV cache ``"auto"`` (model dtype) or ``"fp8_e4m3"`` (per-layer ``k_scale``/``v_scale``
+        recalibrated every step from the training forward and synced with the weights; docs/KV_CACHE.md).
+      kv_cache_memory_bytes: rollout KV-cache budget in bytes (vLLM's name); None = unbounded.
+      fp8_attention: also quantize queries with ``q_scale`` (FP8 attention; needs ``fp8_e4m3``).
+      rollout_engine: ``"jax"`` (the embedded engine) or ``"vllm"`` (real vLLM via
+        :func:`rollout_bridge.make_engine`, lazily imported; needs the ``[vllm]`` extra); ``vllm_transport``:
+        its weight-sync transport ``"inprocess"`` | ``"shm"`` | ``"dist"`` (docs/ROLLOUT_BRIDGE.md).
+      kv_scale_calibration: ``"amax"`` (max of |q|,|k|,|v| over the step's real tokens) or ``"percentile"``
+        (NeMo-RL: ``kv_scale_percentile`` of per-sequence maxima); ``kv_scale_margin``: multiplier (None = 1.0 for
+        amax, 1.05 for percentile); ``scale = stat * margin / 448``.
     """
 
     output_dir: str = "runs/default"
@@ -51,6 +92,15 @@ class TrainConfig:
     top_k: int = -1
     rollout_precision: str = "fp8"
     train_dtype: str = "float32"
+    train_precision: str = "float32"
+    fp8_train_grad: str = "bf16"
+    loss_scale_init: float = 2.0**16
+    loss_scale_growth_interval: int = 2000
+    checkpoint_every: int = 10
+    keep_checkpoints: int = 2
+    async_checkpoint: bool = True
+    resume: bool = False
+    plots: bool = True
     learning_rate: float = 1e-6
     weight_decay: float = 0.0
     adam_b1: float = 0.9
@@ -63,6 +113,33 @@ class TrainConfig:
     advantage_estimator: str = "grpo"
     seed: int = 0
     progress_bar: bool = True
+    max_response_length: int | None = None
+    filter_groups: bool = False
+    filter_groups_metric: str = "acc"
+    max_num_gen_batches: int = 10
+    overlong_buffer_len: int = 0
+    overlong_penalty_factor: float = 1.0
+    overlong_filter: bool = False
+    eval_every: int = 0
+    eval_dataset: str = "gsm8k"
+    eval_num_examples: int = 100
+    eval_n: int = 1
+    eval_temperature: float = 0.0
+    eval_max_tokens: int | None = None
+    eval_batch_size: int = 32
+    kv_cache_dtype: str = "auto"
+    kv_cache_memory_bytes: int | None = None
+    fp8_attention: bool = False
+    kv_scale_calibration: str = "amax"
+    kv_scale_percentile: float = 99.9
+    kv_scale_margin: float | None = None
+    rollout_engine: str = "jax"
+    vllm_transport: str = "inprocess"
+
+    @property
+    def response_budget(self) -> int:
+        """Effective response budget in tokens: ``max_response_length`` if set, else ``max_tokens``."""
+        return self.max_tokens if self.max_response_length is None else self.max_response_length
 
     def __post_init__(self):
         def choice(name, valid):
@@ -71,7 +148,18 @@ class TrainConfig:
 
         choice("rollout_precision", ROLLOUT_PRECISIONS)
         choice("train_dtype", TRAIN_DTYPES)
+        choice("train_precision", TRAIN_PRECISIONS)
+        choice("fp8_train_grad", ("bf16", "e5m2", "float32"))
+        if not isinstance(self.checkpoint_every, int) or self.checkpoint_every < 0:
+            raise ValueError(f"train.checkpoint_every must be an int >= 0, got {self.checkpoint_every!r}")
+        if not isinstance(self.keep_checkpoints, int) or self.keep_checkpoints < 1:
+            raise ValueError(f"train.keep_checkpoints must be a positive int, got {self.keep_checkpoints!r}")
+        if not self.loss_scale_init > 0 or int(self.loss_scale_growth_interval) < 1:
+            raise ValueError(f"train.loss_scale_init must be > 0 and train.loss_scale_growth_interval >= 1, got "
+                             f"{self.loss_scale_init!r}, {self.loss_scale_growth_interval!r}")
         choice("advantage_estimator", ADVANTAGE_ESTIMATORS)
+        choice("rollout_engine", ("jax", "vllm"))
+        choice("vllm_transport", ("inprocess", "shm", "dist"))
         for name in ("num_steps", "prompts_per_step", "samples_per_prompt", "max_tokens", "ppo_epochs",
                      "num_minibatches"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
@@ -81,3 +169,38 @@ class TrainConfig:
                              f" is not divisible by num_minibatches={self.num_minibatches}")
         if self.learning_rate <= 0:
             raise ValueError(f"train.learning_rate must be > 0, got {self.learning_rate}")
+        self._check_dapo_and_eval()
+
+    def _check_dapo_and_eval(self):
+        def int_at_least(name, lo, allow_none=False):
+            v = getattr(self, name)
+            if allow_none and v is None:
+                return
+            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+                raise ValueError(f"train.{name} must be an int >= {lo}{' or None' if allow_none else ''}, got {v!r}")
+
+        int_at_least("max_response_length", 1, allow_none=True)
+        default_max_tokens = type(self).__dataclass_fields__["max_tokens"].default
+        if (self.max_response_length is not None and self.max_tokens != default_max_tokens
+                and self.max_tokens != self.max_response_length):
+            raise ValueError(f"train.max_response_length={self.max_response_length} and train.max_tokens="
+                             f"{self.max_tokens} disagree: they name the same response budget, set one")
+        if self.filter_groups_metric not in ("acc", "score", "seq_reward", "seq_final_reward"):
+            raise ValueError(f"train.filter_groups_metric={self.filter_groups_metric!r} is not one of "
+                             f"['acc', 'score', 'seq_reward', 'seq_final_reward']")
+        int_at_least("max_num_gen_batches", 0)
+        int_at_least("overlong_buffer_len", 0)
+        if self.overlong_buffer_len > self.response_budget:
+            raise ValueError(f"train.overlong_buffer_len={self.overlong_buffer_len} exceeds the response budget "
+                             f"{self.response_budget} (train.max_tokens / train.max_response_length)")
+        if not self.overlong_penalty_factor >= 0:
+            raise ValueError(f"train.overlong_penalty_factor must be >= 0, got {self.overlong_penalty_factor!r}")
+        int_at_least("eval_every", 0)
+        if self.eval_dataset not in ("gsm8k", "math500"):
+            raise ValueError(f"train.eval_dataset={self.eval_dataset!r} is not one of ['gsm8k', 'math500']")
+        int_at_least("eval_num_examples", 1)
+        int_at_least("eval_n", 1)
+        int_at_least("eval_max_tokens", 1, allow_none=True)
+        int_at_least("eval_batch_size", 1)
+        if not self.eval_temperature >= 0:
+            raise ValueError(f"train.eval_temperature must be >= 0, got {self.eval_temperature!r}")

@@ -27,11 +27,19 @@ from flax import nnx
 from fp8rl_jax import objectives
 from fp8rl_jax.data import chain_sum_dataset, get_reward_fn
 from fp8rl_jax.export import export_weights
-from fp8rl_jax.models.decoder import named_params
+from fp8rl_jax.fp8.kv_cache import (KV_SCALE_CALIBRATIONS, KVScales, calibrate_kv_scales, masked_row_absmax,
+                                    normalize_kv_cache_dtype)
+from fp8rl_jax.models.decoder import named_params, positions_from_mask, qkv_absmax_from_intermediates, set_qkv_capture
 from fp8rl_jax.models.loading import build_model, load_checkpoint, load_tokenizer_for
 from fp8rl_jax.rollout.engine import ENGINE_PRECISIONS, JaxRolloutEngine
 from fp8rl_jax.rollout.types import RolloutEngine, SamplingParams
+from fp8rl_jax.trainer.checkpoint import (CheckpointStore, load_model_state, load_optimizer_state, model_state,
+                                          optimizer_state)
+from fp8rl_jax.trainer import dapo
 from fp8rl_jax.trainer.config import TrainConfig
+from fp8rl_jax.trainer.precision import (LossScaleConfig, LossScaleState, adjust_loss_scale, all_finite,
+                                         apply_train_precision, compute_dtype, init_loss_scale, unscale,
+                                         wrap_optimizer)
 from fp8rl_jax.trainer.logprobs import left_pad, response_logprobs
 
 _ADVANTAGES = {"grpo": objectives.grpo_advantages, "drgrpo": objectives.drgrpo_advantages,
@@ -69,85 +77,340 @@ class RLTrainer:
         model_cfg, params = load_checkpoint(config.model)
         self.model_config = model_cfg
         self.tokenizer = load_tokenizer_for(config.model)
-        self.model = build_model(model_cfg, params, param_dtype=config.train_dtype, dtype=config.train_dtype)
+        # float32 masters (optax updates these); forward/backward in the training precision's compute dtype
+        self.model = build_model(model_cfg, params, param_dtype=config.train_dtype,
+                                 dtype=compute_dtype(config.train_precision))
         del params
-        self.optimizer = nnx.Optimizer(self.model, make_optimizer(config), wrt=nnx.Param)
+        apply_train_precision(self.model, config.train_precision, fp8_grad=config.fp8_train_grad)
+        self.optimizer = nnx.Optimizer(self.model, wrap_optimizer(make_optimizer(config), config.train_precision),
+                                       wrt=nnx.Param)
+        self.loss_scale_config = None
+        if config.train_precision == "fp16":  # dynamic loss scale, checkpointed with the optimizer state
+            self.loss_scale_config = LossScaleConfig(init_scale=config.loss_scale_init,
+                                                     growth_interval=int(config.loss_scale_growth_interval))
+            ls = init_loss_scale(self.loss_scale_config)
+            self.optimizer.loss_scale = LossScaleState(ls["scale"])
+            self.optimizer.loss_scale_good_steps = LossScaleState(ls["good_steps"])
+        self._checkpoint_hooks: dict[str, tuple[Any, Any]] = {}
         self.dataset = dataset if dataset is not None else chain_sum_dataset(task=config.task, seed=config.seed)
         self.batches = self.dataset.iterate_batches(config.prompts_per_step, seed=config.seed)
         self.pad_id = int(self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0)
         self.eos_ids = tuple(self.tokenizer.eos_token_ids) or model_cfg.eos_token_ids
         self.export_format = ENGINE_PRECISIONS[config.rollout_precision][2]
         self.step_count = 0
+        self._init_kv_cache()
         t0 = time.perf_counter()
-        if engine is None:
+        if engine is None and config.rollout_engine == "vllm":
+            from rollout_bridge import make_engine  # lazy: torch/vLLM live only in rollout_bridge
+
+            engine = make_engine(config, model_cfg, self.export(), pad_token_id=self.pad_id, eos_token_ids=self.eos_ids)
+        elif engine is None:
             engine = JaxRolloutEngine(model_cfg, self.export(), precision=config.rollout_precision,
                                       pad_token_id=self.pad_id, eos_token_ids=self.eos_ids, seed=config.seed,
-                                      prompt_bucket=8)
+                                      prompt_bucket=8, kv_cache_dtype=self.kv_cache_dtype,
+                                      kv_cache_memory_bytes=config.kv_cache_memory_bytes,
+                                      fp8_attention=config.fp8_attention)
         else:
             engine.update_weights(self.export())
         self.engine = engine
         self.init_sync_s = time.perf_counter() - t0
         self._train_step = self._build_train_step()
-        self._logprobs = nnx.jit(response_logprobs)
+        self._logprobs = nnx.jit(_response_logprobs_uncaptured)
+
+    # -- checkpoints (orbax; see fp8rl_jax.trainer.checkpoint) ----------------------------------------------
+    def register_checkpoint_state(self, name: str, get_fn, set_fn) -> None:
+        """Add trainer state to every checkpoint (e.g. KV-cache ``k_scale``/``v_scale``).
+
+        Args:
+          name: key under the checkpoint's ``extra`` item.
+          get_fn: ``() -> pytree of arrays`` (fixed structure/shapes/dtypes for a run).
+          set_fn: ``(pytree) -> None``, called on restore with the saved pytree.
+
+        Raises:
+          ValueError: ``name`` is already registered.
+        """
+        if name in self._checkpoint_hooks:
+            raise ValueError(f"checkpoint state {name!r} is already registered")
+        self._checkpoint_hooks[name] = (get_fn, set_fn)
+
+    def extra_state(self) -> dict[str, Any]:
+        """``{name: pytree}`` of everything registered with :meth:`register_checkpoint_state`."""
+        return {name: get() for name, (get, _) in self._checkpoint_hooks.items()}
+
+    def load_extra_state(self, extra: dict[str, Any]) -> None:
+        """Hand restored ``extra`` entries to their ``set_fn`` (KeyError naming a registered entry missing)."""
+        for name, (_, set_fn) in self._checkpoint_hooks.items():
+            if name not in extra:
+                raise KeyError(f"checkpoint has no extra state {name!r} (saved: {sorted(extra)})")
+            set_fn(extra[name])
+
+    def checkpoint_state(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """``(state, meta)`` to checkpoint: float32 master params, optimizer (optax state, step, loss scale),
+        registered extra state; meta = RL step, data-iterator position, seed, precision.
+
+        The sampling and minibatch RNG streams are pure functions of ``(seed, step)`` (``SamplingParams.seed``
+        and ``numpy.random.default_rng([seed, step])``), so the step and seed restore them exactly.
+        """
+        state = {"params": model_state(self.model), "optimizer": optimizer_state(self.optimizer),
+                 "extra": self.extra_state()}
+        batches = self.batches.state_dict() if hasattr(self.batches, "state_dict") else None
+        meta = {"rl_step": self.step_count, "data_iterator": batches, "seed": self.cfg.seed,
+                "model": self.cfg.model, "train_precision": self.cfg.train_precision,
+                "rollout_precision": self.cfg.rollout_precision}
+        return state, meta
+
+    def save_checkpoint(self, store: CheckpointStore, *, force: bool = False) -> bool:
+        """Save the trainer's state at the current step into ``store`` (async if the store is).
+
+        Orbax saves only steps divisible by the store's ``save_interval_steps`` unless ``force``.
+        Returns True if a save was started.
+        """
+        state, meta = self.checkpoint_state()
+        return store.save(self.step_count, state, meta, force=force)
+
+    def restore_checkpoint(self, store: CheckpointStore, step: int | None = None) -> int:
+        """Restore params, optimizer, step, data position and extra state; push the weights to the engine.
+
+        Args:
+          store: the run's :class:`CheckpointStore`.
+          step: checkpoint step (default: latest).
+
+        Returns:
+          the restored RL step.
+
+        Raises:
+          CheckpointNotFoundError / FileNotFoundError: no such checkpoint, or a missing item (named).
+          ValueError: the checkpoint belongs to another model/optimizer/precision (shapes or tree differ).
+        """
+        targets = {"params": model_state(self.model), "optimizer": optimizer_state(self.optimizer),
+                   "extra": self.extra_state()}
+        state, meta = store.restore(step, targets)
+        if meta.get("train_precision", self.cfg.train_precision) != self.cfg.train_precision:
+            raise ValueError(f"checkpoint was written with train_precision={meta['train_precision']!r}, this "
+                             f"run uses {self.cfg.train_precision!r}")
+        load_model_state(self.model, state["params"])
+        load_optimizer_state(self.optimizer, state["optimizer"])
+        self.load_extra_state(state.get("extra", {}))
+        self.step_count = int(meta["rl_step"])
+        it = meta.get("data_iterator")
+        if it is not None:  # the batch stream is a pure function of (dataset, batch size, seed, position)
+            self.batches = self.dataset.iterate_batches(it["batch_size"], it["seed"], start_index=it["position"],
+                                                        shuffle=it.get("shuffle", True))
+        self.engine.update_weights(self.export())
+        return self.step_count
 
     # -- pieces -------------------------------------------------------------------------------------------
     def export(self):
-        """The current params as :class:`ExportedWeights` in the engine's format (version = step count)."""
-        return export_weights(named_params(self.model), self.export_format, version=self.step_count)
+        """The current params as :class:`ExportedWeights` in the engine's format (version = step count).
+
+        With ``kv_cache_dtype="fp8_e4m3"`` the q/k/v maxima captured by this step's training forward(s) are
+        turned into new per-layer ``k_scale``/``v_scale``/``q_scale`` here (tagged with this version) and ride
+        with the weights; without new maxima the last scales keep their older version, and the engine refuses
+        to generate with them.
+        """
+        kv = None
+        if self.kv_cache_dtype == "fp8_e4m3":
+            if self._kv_row_amax:
+                self._calibrate_kv_scales()
+            kv = self.kv_scales
+        return export_weights(named_params(self.model), self.export_format, version=self.step_count, kv_scales=kv,
+                              kv_scales_version=self.kv_scales_version if kv is not None else None)
+
+    # -- FP8 KV cache: per-step q/k/v scale recalibration (docs/KV_CACHE.md) ---------------------------------
+    def _init_kv_cache(self) -> None:
+        """Validate the KV-cache settings; for fp8_e4m3 enable q/k/v capture and calibrate step-0 scales on a
+        batch of prompts (the only extra forward: later steps reuse the training forward)."""
+        cfg = self.cfg
+        self.kv_cache_dtype = normalize_kv_cache_dtype(cfg.kv_cache_dtype)
+        if cfg.kv_scale_calibration not in KV_SCALE_CALIBRATIONS:
+            raise ValueError(f"train.kv_scale_calibration={cfg.kv_scale_calibration!r} is not one of "
+                             f"{list(KV_SCALE_CALIBRATIONS)}")
+        if cfg.fp8_attention and self.kv_cache_dtype != "fp8_e4m3":
+            raise ValueError("train.fp8_attention=True needs train.kv_cache_dtype='fp8_e4m3'")
+        self.kv_scales: KVScales | None = None
+        self.kv_scales_version = -1
+        self._kv_row_amax: list = []
+        if self.kv_cache_dtype != "fp8_e4m3":
+            return
+        set_qkv_capture(self.model, True)
+        items = next(iter(self.dataset.iterate_batches(cfg.prompts_per_step, seed=cfg.seed + 1)))
+        pid, pmask = left_pad(self.encode_prompts(items), self.pad_id, bucket=8)
+        self._kv_row_amax.append(qkv_row_absmax(self.model, jnp.asarray(pid), jnp.asarray(pmask)))
+        self._calibrate_kv_scales()
+
+        def get_state():
+            return {"k_scale": np.asarray(self.kv_scales.k_scale, np.float32),
+                    "v_scale": np.asarray(self.kv_scales.v_scale, np.float32),
+                    "q_scale": np.asarray(self.kv_scales.q_scale, np.float32),
+                    "version": np.asarray(self.kv_scales_version, np.int64)}
+
+        def set_state(st):
+            self.kv_scales = KVScales(*(np.asarray(st[k], np.float32) for k in ("k_scale", "v_scale", "q_scale")))
+            self.kv_scales_version = int(np.asarray(st["version"]))
+            self._kv_row_amax = []
+
+        self.register_checkpoint_state("kv_scales", get_state, set_state)
+
+    def _calibrate_kv_scales(self) -> None:
+        """New scales from all maxima captured since the last calibration, tagged with the current step."""
+        cfg = self.cfg
+        self.kv_scales = calibrate_kv_scales([np.asarray(a) for a in self._kv_row_amax], cfg.kv_scale_calibration,
+                                             cfg.kv_scale_percentile, cfg.kv_scale_margin)
+        self.kv_scales_version = self.step_count
+        self._kv_row_amax = []
 
     def encode_prompts(self, items) -> list[list[int]]:
         """Chat-template and tokenize prompt items (generation prompt appended)."""
         return [self.tokenizer.encode(self.tokenizer.apply_chat_template(it.messages, add_generation_prompt=True))
                 for it in items]
 
+    def maybe_evaluate(self, step: int | None = None) -> dict[str, float]:
+        """Validation metrics when ``step`` is an evaluation step, else ``{}``.
+
+        Evaluates at step 0, every ``train.eval_every`` steps and at the last step (verl ``trainer.test_freq``
+        with ``val_before_train``) with the current rollout engine (its weights are the trainer's after the
+        step's sync): :func:`fp8rl_jax.trainer.evaluation.evaluate` on ``train.eval_dataset`` (first
+        ``eval_num_examples``, ``eval_n`` samples, ``eval_temperature``), scored by math-verify.
+
+        Args:
+          step: the RL step the engine's weights belong to (default: ``self.step_count``).
+
+        Returns:
+          ``{"val/<dataset>/pass@1": ..., "val/<dataset>/mean@<n>": ..., ...}`` (floats) or ``{}``;
+          ``timing/eval_s`` is added when an evaluation ran.
+        """
+        cfg = self.cfg
+        step = self.step_count if step is None else int(step)
+        if cfg.eval_every <= 0 or not (step % cfg.eval_every == 0 or step == cfg.num_steps):
+            return {}
+        from fp8rl_jax.trainer.evaluation import evaluate
+
+        t0 = time.perf_counter()
+        out = evaluate(self.engine, self.tokenizer, cfg.eval_dataset, cfg.eval_num_examples, n=cfg.eval_n,
+                       temperature=cfg.eval_temperature, max_tokens=cfg.eval_max_tokens or cfg.response_budget,
+                       top_p=cfg.top_p, top_k=cfg.top_k, batch_size=cfg.eval_batch_size,
+                       seed=cfg.seed * 1_000_003 + 7_777_777 + step)
+        out = {k: float(v) for k, v in out.items()}
+        out["timing/eval_s"] = time.perf_counter() - t0
+        return out
+
     def _build_train_step(self):
         loss_config, temperature = self.loss_config, self.cfg.temperature
+        ls_cfg = self.loss_scale_config  # fp16 only: dynamic loss scaling with overflow-skip
+        # fp8 KV cache: the training forward also yields per-sequence max |q|,|k|,|v| for scale calibration
+        capture, n_layers = self.kv_cache_dtype == "fp8_e4m3", self.model_config.num_hidden_layers
 
         def train_step(model, optimizer, batch, on_policy: bool):
+            ls = ({"scale": optimizer.loss_scale[...], "good_steps": optimizer.loss_scale_good_steps[...]}
+                  if ls_cfg is not None else None)
+
             # on_policy: one update per step, so the policy at the update IS the old policy and
             # old_logprobs = stop_gradient(logprobs) exactly; this saves the separate recompute forward.
             def loss_fn(model):
-                lp = response_logprobs(model, batch["prompt_ids"], batch["prompt_mask"], batch["response_ids"],
-                                       temperature)
+                args = (batch["prompt_ids"], batch["prompt_mask"], batch["response_ids"], temperature)
+                qkv = None
+                if capture:
+                    lp, inter = nnx.capture(response_logprobs, nnx.Intermediate)(model, *args)
+                    real = jnp.concatenate([batch["prompt_mask"], batch["response_mask"] > 0], axis=1)
+                    qkv = masked_row_absmax(qkv_absmax_from_intermediates(inter, n_layers), real)
+                else:
+                    lp = response_logprobs(model, *args)
                 old = jax.lax.stop_gradient(lp) if on_policy else batch["old_logprobs"]
                 loss, metrics = objectives.compute_policy_loss(lp, old, batch["rollout_logprobs"],
                                                                batch["advantages"], batch["response_mask"],
                                                                loss_config)
-                return loss, (metrics, old)
+                return (loss * ls["scale"] if ls is not None else loss), (metrics, old, loss, qkv)
 
-            (loss, (metrics, old)), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model)
+            (_, (metrics, old, loss, qkv)), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model)
+            if ls is not None:  # unscale; optax.apply_if_finite skips a non-finite update; adjust the scale
+                grads = unscale(grads, ls)
+                finite = all_finite(grads)
+                new_ls = adjust_loss_scale(ls, finite, ls_cfg)
+                optimizer.loss_scale[...] = new_ls["scale"]
+                optimizer.loss_scale_good_steps[...] = new_ls["good_steps"]
             optimizer.update(model, grads)
             metrics = dict(metrics)
+            if ls is not None:
+                metrics["actor/loss_scale"] = ls["scale"]
+                metrics["actor/skipped_step"] = 1.0 - finite.astype(jnp.float32)
             metrics["actor/loss"] = loss
             metrics["actor/grad_norm"] = optax.global_norm(grads)
+            return metrics, old, qkv
+
+        jitted = nnx.jit(train_step, static_argnames="on_policy")
+
+        def run(model, optimizer, batch, on_policy: bool):
+            metrics, old, qkv = jitted(model, optimizer, batch, on_policy)
+            if qkv is not None:  # [L, 3, rows]; export() turns the step's maxima into kv scales
+                self._kv_row_amax.append(qkv)
             return metrics, old
 
-        return nnx.jit(train_step, static_argnames="on_policy")
+        return run
 
     # -- one RL step ----------------------------------------------------------------------------------------
     def step(self) -> dict[str, float]:
-        """Run one RL step and return its metrics (floats, verl-style names)."""
+        """Run one RL step and return its metrics (floats, verl-style names).
+
+        With ``train.filter_groups`` the rollout is DAPO dynamic sampling (several prompt batches per step until
+        ``prompts_per_step`` groups with non-constant rewards are kept; ``dapo/num_gen_batches``,
+        ``dapo/kept_groups_fraction``); ``train.overlong_buffer_len > 0`` adds DAPO's soft overlong penalty to
+        the rewards (``reward/score_mean`` is the mean before it); ``train.overlong_filter`` zeroes the loss mask
+        of truncated responses. ``reward/mean`` is over the trained rows. See :mod:`fp8rl_jax.trainer.dapo`.
+
+        Raises:
+          ValueError: dynamic sampling hit ``train.max_num_gen_batches`` without enough groups.
+        """
         cfg = self.cfg
         t_step = time.perf_counter()
-        items = next(self.batches)
-        prompts = self.encode_prompts(items)
-        sp = SamplingParams(n=cfg.samples_per_prompt, temperature=cfg.temperature, top_p=cfg.top_p,
-                            top_k=cfg.top_k, max_tokens=cfg.max_tokens, seed=cfg.seed * 1_000_003 + self.step_count)
-        t0 = time.perf_counter()
-        rb = self.engine.generate(prompts, sp)
-        t_rollout = time.perf_counter() - t0
+        # rollout -> reward (+ DAPO overlong penalty) -> [DAPO dynamic sampling] -> advantages
+        timers = {"rollout": 0.0, "reward": 0.0}
+        gen_batches = [0]
 
+        def generate_scored() -> dapo.ScoredBatch:
+            items = next(self.batches)
+            prompts = self.encode_prompts(items)
+            # gen batch k of a step draws its own noise; k = 0 keeps the (seed, step) stream of a plain step
+            sp = SamplingParams(n=cfg.samples_per_prompt, temperature=cfg.temperature, top_p=cfg.top_p,
+                                top_k=cfg.top_k, max_tokens=cfg.response_budget,
+                                seed=cfg.seed * 1_000_003 + self.step_count + 104_729 * gen_batches[0])
+            gen_batches[0] += 1
+            t0 = time.perf_counter()
+            rb = self.engine.generate(prompts, sp)
+            timers["rollout"] += time.perf_counter() - t0
+            t0 = time.perf_counter()
+            texts = [self.tokenizer.decode([int(t) for t, m in zip(row, mrow) if m > 0])
+                     for row, mrow in zip(rb.response_token_ids, rb.response_mask)]
+            scores = np.array([self.reward_fn(txt, items[int(i)]) for txt, i in zip(texts, rb.prompt_index)],
+                              np.float64)
+            rewards = scores
+            if cfg.overlong_buffer_len > 0:
+                rewards = scores + dapo.overlong_penalty(np.asarray(rb.response_mask).sum(-1), cfg.response_budget,
+                                                         cfg.overlong_buffer_len, cfg.overlong_penalty_factor)
+            timers["reward"] += time.perf_counter() - t0
+            return dapo.ScoredBatch(rb, list(items), texts, scores, rewards)
+
+        if cfg.filter_groups:
+            sb, dapo_metrics = dapo.dynamic_sampling(generate_scored, cfg.prompts_per_step, cfg.samples_per_prompt,
+                                                     cfg.max_num_gen_batches, cfg.filter_groups_metric)
+        else:
+            sb, dapo_metrics = generate_scored(), {}
+        rb, texts = sb.rollout, sb.texts
+        rewards = sb.rewards.astype(np.float32)
+        if cfg.overlong_buffer_len > 0:
+            dapo_metrics["reward/score_mean"] = float(sb.scores.mean())
+            dapo_metrics["dapo/overlong_penalty_mean"] = float((sb.rewards - sb.scores).mean())
+        response_mask = rb.response_mask
+        if cfg.overlong_filter:  # truncated responses get no loss (DAPO overlong filtering)
+            response_mask = dapo.overlong_filter_mask(rb.response_mask, rb.finish_reason)
+            dapo_metrics["dapo/overlong_filtered_fraction"] = float(np.mean([f == "length" for f in rb.finish_reason]))
         t0 = time.perf_counter()
-        texts = [self.tokenizer.decode([int(t) for t, m in zip(row, mrow) if m > 0])
-                 for row, mrow in zip(rb.response_token_ids, rb.response_mask)]
-        rewards = np.array([self.reward_fn(txt, items[int(i)]) for txt, i in zip(texts, rb.prompt_index)], np.float32)
         advantages = _ADVANTAGES[cfg.advantage_estimator](jnp.asarray(rewards), cfg.samples_per_prompt)
-        t_reward = time.perf_counter() - t0
+        t_rollout, t_reward = timers["rollout"], timers["reward"] + time.perf_counter() - t0
 
         t0 = time.perf_counter()
         pid, pmask = left_pad(rb.prompt_token_ids, self.pad_id, bucket=8)
         batch = {"prompt_ids": jnp.asarray(pid), "prompt_mask": jnp.asarray(pmask),
-                 "response_ids": jnp.asarray(rb.response_token_ids), "response_mask": jnp.asarray(rb.response_mask),
+                 "response_ids": jnp.asarray(rb.response_token_ids), "response_mask": jnp.asarray(response_mask),
                  "rollout_logprobs": jnp.asarray(rb.rollout_logprobs), "advantages": advantages}
         on_policy = cfg.ppo_epochs == 1 and cfg.num_minibatches == 1
         if not on_policy:  # several updates per step: old_logprobs must be fixed before the first one
@@ -188,6 +451,7 @@ class RLTrainer:
             "response_length/clip_ratio": float(np.mean([r == "length" for r in rb.finish_reason])),
         }
         out.update({k: float(v) for k, v in corr.items()})
+        out.update(dapo_metrics)
         for key in train_metrics[0]:
             out[key] = float(np.mean([m[key] for m in train_metrics]))
         out.update({"timing/rollout_s": t_rollout, "timing/reward_s": t_reward, "timing/old_logprobs_s": t_old,
@@ -197,17 +461,61 @@ class RLTrainer:
         return out
 
 
-def train(config: TrainConfig | None = None, **overrides) -> list[dict[str, float]]:
-    """Run a whole training job; write ``metrics.jsonl`` (one line per step) and ``summary.json``.
+def _response_logprobs_uncaptured(model, prompt_ids, prompt_mask, response_ids, temperature):
+    """:func:`response_logprobs` that drops sown q/k/v maxima (so no intermediates are left on the model)."""
+    lp, _ = nnx.capture(response_logprobs, nnx.Intermediate)(model, prompt_ids, prompt_mask, response_ids, temperature)
+    return lp
+
+
+@nnx.jit
+def qkv_row_absmax(model, ids, mask):
+    """Per-sequence max |q|,|k|,|v| (after QK-norm and RoPE) of one cache-less forward, for FP8 KV scales.
+
+    Args:
+      model: a :class:`~fp8rl_jax.models.decoder.CausalLM` with :func:`set_qkv_capture` enabled.
+      ids: int32 ``[B, S]`` left-padded tokens; ``mask``: bool ``[B, S]`` real tokens.
+
+    Returns:
+      float32 ``[num_layers, 3 (q, k, v), B]`` (padding excluded); feed to
+      :func:`fp8rl_jax.fp8.kv_cache.calibrate_kv_scales`.
+
+    Raises:
+      ValueError: capture not enabled on ``model``.
+    """
+    positions = positions_from_mask(mask)
+    _, inter = nnx.capture(lambda m: m.hidden_states(ids, positions, mask)[0], nnx.Intermediate)(model)
+    return masked_row_absmax(qkv_absmax_from_intermediates(inter, model.config.num_hidden_layers), mask)
+
+
+def train(config: TrainConfig | None = None, *, trainer: RLTrainer | None = None,
+          **overrides) -> list[dict[str, float]]:
+    """Run a whole training job with checkpoints, resume and logging.
+
+    Writes into ``output_dir``: ``config.gin``, ``metrics.jsonl`` (one line per step), TensorBoard events
+    (``tensorboard/``), orbax checkpoints (``checkpoints/<step>/`` every ``checkpoint_every`` steps and after
+    the last one, the last ``keep_checkpoints`` kept), ``summary.json`` and PNG plots (``plots/``).
+
+    With ``resume=True`` and a checkpoint in ``output_dir/checkpoints``, the run continues from the latest
+    one: params, optimizer state, loss scale, step, data position and registered extra state are restored,
+    ``metrics.jsonl`` keeps its lines up to that step and is appended to, and the remaining steps produce the
+    same metrics as an uninterrupted run (the RNG streams are functions of ``(seed, step)``). Without a
+    checkpoint a resumed run starts from step 0.
 
     Args:
       config: the run config (default: ``TrainConfig()`` as bound by gin).
-      overrides: field overrides applied on top (e.g. ``output_dir=...``).
+      trainer: an already built :class:`RLTrainer` for ``config`` (e.g. with an injected engine or dataset).
+      overrides: field overrides applied on top (e.g. ``output_dir=...``, ``resume=True``).
 
     Returns:
-      the list of per-step metric dicts.
+      the per-step metric dicts of the whole run (on resume: the earlier lines of ``metrics.jsonl`` too).
+
+    Raises:
+      ValueError: bad config; a checkpoint that belongs to another model/precision.
+      FileNotFoundError: a checkpoint with missing files.
     """
     import dataclasses
+
+    from fp8rl_jax.trainer.logging import RunLogger, plot_metrics
 
     cfg = config or TrainConfig()
     if overrides:
@@ -221,38 +529,66 @@ def train(config: TrainConfig | None = None, **overrides) -> list[dict[str, floa
     except Exception:  # gin not parsed (notebook use): nothing to record
         pass
     t0 = time.perf_counter()
-    trainer = RLTrainer(cfg)
+    trainer = trainer if trainer is not None else RLTrainer(cfg)
+    store = None
+    ckpt_dir = os.path.join(cfg.output_dir, "checkpoints")
+    if cfg.checkpoint_every > 0 or (cfg.resume and os.path.isdir(ckpt_dir)):
+        store = CheckpointStore(ckpt_dir, max_to_keep=cfg.keep_checkpoints,
+                                save_interval_steps=max(cfg.checkpoint_every, 1), async_save=cfg.async_checkpoint)
+    resume_step = None
+    if cfg.resume and store is not None and store.latest_step() is not None:
+        resume_step = trainer.restore_checkpoint(store)
+        print(f"resumed from {ckpt_dir}/{resume_step}", flush=True)
     setup_s = time.perf_counter() - t0
-    history: list[dict[str, float]] = []
-    metrics_path = os.path.join(cfg.output_dir, "metrics.jsonl")
+    logger = RunLogger(cfg.output_dir, resume_step=resume_step)
     bar = None
     if cfg.progress_bar:
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=cfg.num_steps, desc=f"GRPO ({cfg.rollout_precision} rollout)", unit="step")
-    with open(metrics_path, "w") as f:
-        for _ in range(cfg.num_steps):
+        bar = tqdm(total=cfg.num_steps, initial=trainer.step_count,
+                   desc=f"GRPO ({cfg.rollout_precision} rollout, {cfg.train_precision} train)", unit="step")
+    try:
+        if trainer.step_count == 0 and (val := trainer.maybe_evaluate(0)):  # validation before training (verl)
+            logger.log({"step": 0, **val})
+        while trainer.step_count < cfg.num_steps:
             m = trainer.step()
-            history.append(m)
-            f.write(json.dumps(m) + "\n")
-            f.flush()
+            m.update(trainer.maybe_evaluate())
+            logger.log(m)
+            if store is not None and cfg.checkpoint_every > 0:
+                trainer.save_checkpoint(store, force=trainer.step_count == cfg.num_steps)
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix(reward=f"{m['reward/mean']:.3f}", k3=f"{m.get('rollout_corr/k3_kl', float('nan')):.2e}",
                                 s=f"{m['timing/step_s']:.1f}")
-    if bar is not None:
-        bar.close()
+    finally:
+        if bar is not None:
+            bar.close()
+        logger.close()
+        if store is not None:
+            store.close()  # waits for the last async save to commit
+    history = [m for m in logger.history if "reward/mean" in m]  # the step-0 eval line has only val/...
     rewards = [m["reward/mean"] for m in history]
     k = min(5, max(1, len(rewards) // 2))
+
+    def mean_of(key):
+        return float(np.mean([m.get(key, math.nan) for m in history])) if history else math.nan
+
     summary = {
         "num_steps": len(history), "rollout_precision": cfg.rollout_precision,
-        f"reward/first_{k}_mean": float(np.mean(rewards[:k])), f"reward/last_{k}_mean": float(np.mean(rewards[-k:])),
-        "rollout_corr/k3_kl_mean": float(np.mean([m.get("rollout_corr/k3_kl", math.nan) for m in history])),
-        "rollout_corr/kl_mean": float(np.mean([m.get("rollout_corr/kl", math.nan) for m in history])),
+        "train_precision": cfg.train_precision, "resumed_from_step": resume_step,
+        f"reward/first_{k}_mean": float(np.mean(rewards[:k])) if rewards else math.nan,
+        f"reward/last_{k}_mean": float(np.mean(rewards[-k:])) if rewards else math.nan,
+        "rollout_corr/k3_kl_mean": mean_of("rollout_corr/k3_kl"),
+        "rollout_corr/kl_mean": mean_of("rollout_corr/kl"),
         "timing/setup_s": setup_s, "timing/total_s": time.perf_counter() - t0,
-        "timing/sync_s_mean": float(np.mean([m["timing/sync_s"] for m in history])),
+        "timing/sync_s_mean": mean_of("timing/sync_s"),
+        "timing/step_s_mean": mean_of("timing/step_s"),
     }
+    if cfg.train_precision == "fp16":
+        summary["actor/skipped_steps"] = float(np.sum([m.get("actor/skipped_step", 0.0) for m in history]))
     with open(os.path.join(cfg.output_dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
+    if cfg.plots and history:
+        plot_metrics(history, os.path.join(cfg.output_dir, "plots"), title=os.path.basename(cfg.output_dir))
     print(json.dumps(summary, indent=2))
     return history

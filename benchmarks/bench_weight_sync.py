@@ -1,0 +1,260 @@
+"""Seconds per weight sync for each transport vs model size, next to a plain copy of the same bytes.
+
+For each model (``135m``: the real SmolLM2-135M-Instruct; ``0.6b`` / ``8b``: Qwen3-0.6B / Qwen3-8B shapes with
+random weights) the script exports the weights as the trainer does each step (FP8 blockwise: e4m3 linears +
+fp32 ``weight_scale_inv``, bf16 embeddings/norms) and times, in the same run:
+
+* ``copy``: one plain ``copy_`` of every exported tensor into preallocated buffers in this process (the memory
+  bandwidth floor for moving these bytes once; torch single-threaded on CPU, as vLLM-CPU runs);
+* ``inprocess``: :class:`~rollout_bridge.transports.InProcessTransport` to a receiver in this process that
+  copies every tensor into its own parameters (what vLLM's reload does with them);
+* ``shm``: :class:`~rollout_bridge.transports.SharedMemoryTransport` (flattened 512 MiB buckets in shared
+  memory; CUDA IPC on GPU) to a receiver in another process that copies into its parameters;
+* ``dist``: :class:`~rollout_bridge.transports.TorchDistributedTransport` (gloo broadcast on CPU, NCCL on GPU)
+  to the same kind of receiver process;
+* ``vllm`` (with ``--vllm``, 135m only on CPU): ``VllmRolloutEngine.update_weights`` into a real in-process
+  vLLM engine (dequantize to bf16 on CPU + DLPack + ``reload_weights`` + ``reset_prefix_cache``).
+
+Each value is the median of ``--repeats`` syncs after one warm-up sync. The payload is the same bytes for every
+column (dense bf16 on the vLLM column on CPU, where FP8 is served dequantized).
+
+Usage:
+  python benchmarks/bench_weight_sync.py                       # CPU: 135m, 0.6b
+  python benchmarks/bench_weight_sync.py --sizes 135m --vllm   # + the real vLLM path
+  python benchmarks/bench_weight_sync.py --sizes 135m,0.6b,8b  # GPU (8b needs ~40 GB of host/GPU memory)
+Results: benchmarks/results/weight_sync_<device>.json and .md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import time
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from fp8rl_jax.export import export_weights  # noqa: E402
+from fp8rl_jax.models.config import ModelConfig, hf_param_shapes  # noqa: E402
+from rollout_bridge.dlpack import jax_to_torch  # noqa: E402
+from rollout_bridge.transports import (InProcessTransport, SharedMemoryTransport, TorchDistributedTransport,  # noqa: E402
+                                       WeightReceiverMixin, order_by_layer)
+
+QWEN3 = {
+    "0.6b": dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                 num_attention_heads=16, num_key_value_heads=8, head_dim=128),
+    "8b": dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+               num_attention_heads=32, num_key_value_heads=8, head_dim=128),
+}
+
+
+class CopyReceiver(WeightReceiverMixin):
+    """Receiver that copies every tensor into preallocated 'parameters' (stands in for vLLM's reload copy)."""
+
+    def __init__(self):
+        self.params = {}
+
+    def _fp8rl_load(self, named, kv_scales, version):
+        import torch
+
+        for name, t in named:
+            dst = self.params.get(name)
+            if dst is None:
+                dst = self.params[name] = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+            dst.copy_(t)
+
+
+class _Local:
+    name = "local"
+
+    def __init__(self, obj):
+        self.obj = obj
+
+    def call(self, method, *args):
+        import concurrent.futures
+
+        f = concurrent.futures.Future()
+        f.set_result(getattr(self.obj, method)(*args))
+        return f
+
+
+def _serve(conn):
+    """Receiver process loop: (method, args) in, result out."""
+    import torch
+
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    torch.set_num_threads(1)  # as vLLM-CPU does for serving
+    rec = CopyReceiver()
+    while True:
+        msg = conn.recv()
+        if msg is None:
+            return
+        method, args = msg
+        try:
+            conn.send(("ok", getattr(rec, method)(*args)))
+        except Exception as e:  # noqa: BLE001
+            conn.send(("err", f"{type(e).__name__}: {e}"))
+
+
+class _PipePending:
+    def __init__(self, conn):
+        self.conn = conn
+
+    def result(self, timeout=None):
+        if not self.conn.poll(timeout):
+            raise TimeoutError("receiver process did not answer")
+        status, val = self.conn.recv()
+        if status != "ok":
+            raise RuntimeError(val)
+        return val
+
+
+class ProcessReceiver:
+    """A receiver in a spawned process, reached over a pipe (one call in flight at a time)."""
+
+    name = "receiver-process"
+
+    def __init__(self):
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_serve, args=(child,), daemon=True)
+        self.proc.start()
+
+    def call(self, method, *args):
+        self.conn.send((method, args))
+        return _PipePending(self.conn)
+
+    def close(self):
+        self.conn.send(None)
+        self.proc.join(30)
+
+
+def model_params(size: str) -> tuple[ModelConfig, dict]:
+    """(config, {hf_name: bf16 jax array}) of the real 135M model or a random Qwen3-shaped one."""
+    if size == "135m":
+        from fp8rl_jax.models.loading import load_checkpoint
+
+        cfg, params = load_checkpoint("smollm2-135m-instruct")
+        return cfg, {k: jnp.asarray(v, jnp.bfloat16) for k, v in params.items()}
+    cfg = ModelConfig(model_type="qwen3", eos_token_id=1, pad_token_id=0, tie_word_embeddings=size == "0.6b",
+                      **QWEN3[size])
+    key = jax.random.key(0)
+    params = {}
+    for i, (name, shape) in enumerate(sorted(hf_param_shapes(cfg).items())):
+        params[name] = (0.02 * jax.random.normal(jax.random.fold_in(key, i), shape, jnp.float32)).astype(jnp.bfloat16)
+    return cfg, params
+
+
+def time_it(fn, repeats: int) -> float:
+    fn()  # warm-up
+    ts = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
+def bench_size(size: str, repeats: int, with_vllm: bool, device: str) -> dict:
+    import torch
+
+    cfg, params = model_params(size)
+    w = export_weights(params, "fp8_blockwise")
+    del params
+    jax.block_until_ready(w.tensors)
+    tensors = {k: jax_to_torch(w.tensors[k]) for k in order_by_layer(w.tensors)}
+    if device == "cuda":
+        tensors = {k: v.cuda() for k, v in tensors.items()}
+    nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    row = {"size": size, "params_M": sum(int(np.prod(s)) for s in hf_param_shapes(cfg).values()) / 1e6,
+           "tensors": len(tensors), "payload_MB": nbytes / 2**20}
+    dst = {k: torch.empty_like(v) for k, v in tensors.items()}
+    row["copy_s"] = time_it(lambda: [dst[k].copy_(v) for k, v in tensors.items()], repeats)
+    del dst
+    local = [_Local(CopyReceiver())]
+    inproc = InProcessTransport()
+    row["inprocess_s"] = time_it(lambda: inproc.send(tensors, {}, 1, local), repeats)
+    del local
+    proc = ProcessReceiver()
+    try:
+        shm = SharedMemoryTransport()
+        row["shm_s"] = time_it(lambda: shm.send(tensors, {}, 1, [proc], 600), repeats)
+        shm.close()
+        dist = TorchDistributedTransport(backend="nccl" if device == "cuda" else "gloo", timeout_s=600)
+        row["dist_s"] = time_it(lambda: dist.send(tensors, {}, 1, [proc], 600), repeats)
+        dist.close()
+    finally:
+        proc.close()
+    if with_vllm:
+        from rollout_bridge.vllm_engine import VllmRolloutEngine
+
+        eng = VllmRolloutEngine(cfg, w, kv_cache_memory_bytes=64 << 20, max_model_len=512)
+        row["vllm_target"] = eng.weight_target
+        row["vllm_s"] = time_it(lambda: eng.update_weights(w), repeats)
+        row["vllm_payload_MB"] = eng.last_sync.nbytes / 2**20
+        eng.close()
+    for k in ("inprocess", "shm", "dist", "vllm"):
+        if f"{k}_s" in row:
+            row[f"{k}_x_copy"] = row[f"{k}_s"] / row["copy_s"]
+    return row
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--sizes", default="135m,0.6b", help="comma list of 135m, 0.6b, 8b")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--vllm", action="store_true", help="also time a real vLLM engine's update_weights")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    import torch
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu":
+        torch.set_num_threads(1)  # the receivers' copies run single-threaded, as vLLM-CPU serves
+    name = torch.cuda.get_device_name() if device == "cuda" else _cpu_name()
+    rows = []
+    for size in args.sizes.split(","):
+        if size not in ("135m", *QWEN3):
+            raise SystemExit(f"unknown size {size!r}; expected 135m, 0.6b or 8b")
+        rows.append(bench_size(size, args.repeats, args.vllm and (size == "135m" or device == "cuda"), device))
+        print(json.dumps(rows[-1]), flush=True)
+    cols = ["size", "payload_MB", "copy_s", "inprocess_s", "shm_s", "dist_s", "vllm_s"]
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in rows:
+        lines.append("| " + " | ".join(f"{r[c]:.4g}" if isinstance(r.get(c), float) else str(r.get(c, "-"))
+                                       for c in cols) + " |")
+    table = "\n".join(lines)
+    print(f"\nweight sync, {device} ({name}), median of {args.repeats}\n{table}")
+    res = {"benchmark": "bench_weight_sync", "device": {"kind": device, "name": name, "cpu_count": os.cpu_count(),
+                                                        "torch": torch.__version__, "jax": jax.__version__},
+           "command": " ".join(["benchmarks/bench_weight_sync.py", *(argv or sys.argv[1:])]), "rows": rows}
+    out = args.out or os.path.join(os.path.dirname(__file__), "results", f"weight_sync_{device}")
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    with open(out + ".json", "w") as f:
+        json.dump(res, f, indent=2)
+    with open(out + ".md", "w") as f:
+        f.write(f"# Weight sync seconds per step ({device}: {name})\n\n{table}\n\n`{res['command']}`\n")
+    print(f"wrote {out}.json / .md")
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "cpu"
+
+
+if __name__ == "__main__":
+    main()

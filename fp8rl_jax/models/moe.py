@@ -1,0 +1,237 @@
+"""Qwen3-MoE sparse MLP block (top-k routed SwiGLU experts) for the Flax NNX decoder, with HF/vLLM names.
+
+Semantics follow ``transformers`` ``Qwen3MoeSparseMoeBlock`` / ``Qwen3MoeTopKRouter`` / ``Qwen3MoeExperts``
+(transformers 5.x) and vLLM ``Qwen3MoeSparseMoeBlock`` (``FusedMoE(renormalize=norm_topk_prob)``):
+
+1. router logits ``x @ gate.weight.T`` (``mlp.gate``, ``[num_experts, hidden]``, no bias), in the compute dtype;
+2. ``softmax`` over experts in float32, then ``top_k`` (``num_experts_per_tok``) of the probabilities;
+3. if ``norm_topk_prob`` the k weights are renormalised to sum to 1; they are then cast to the compute dtype;
+4. each selected expert ``e`` computes ``down_proj(silu(gate_proj(x)) * up_proj(x))`` and its output is scaled
+   by its routing weight; the k outputs are summed. There are no shared experts in Qwen3-MoE.
+
+Parameter layout. Parameters live at exactly the per-expert checkpoint names that HF checkpoints on disk and
+vLLM's loader use (``model.layers.{i}.mlp.experts.{j}.gate_proj.weight`` ``[moe_intermediate_size, hidden]``,
+``up_proj`` the same, ``down_proj`` ``[hidden, moe_intermediate_size]``, router ``model.layers.{i}.mlp.gate.weight``
+``[num_experts, hidden]``), one :class:`~fp8rl_jax.models.decoder.Linear` per expert projection. vLLM's
+``RoutedExperts.build_expert_params_mapping`` maps ``experts.{j}.gate_proj.`` / ``up_proj.`` to the fused
+``experts.w13_*`` shards ``w1`` / ``w3`` and ``experts.{j}.down_proj.`` to ``experts.w2_*`` (``w2``), for
+``weight`` and (FP8 blockwise) ``weight_scale_inv`` alike. Keeping per-expert variables means every name-based
+path (``named_params``, ``load_named_params``, the FP8 export, the rollout engine's in-place update, checkpoints)
+works unchanged and an FP8 expert is an ordinary FP8 ``Linear`` (e4m3 ``weight`` + ``weight_scale_inv``).
+
+Compute. The forward stacks the expert weights of a layer into ``[E, in, out]`` (a copy per call inside ``jit``;
+the weights are loop-invariant in the decode loop, so XLA may hoist it, but this is not guaranteed: a stacked
+parameter layout would avoid it at the cost of a name translation layer) and runs the experts as grouped
+matmuls with :func:`jax.lax.ragged_dot` on the ``T * k`` (token, expert) pairs sorted by expert: the work is
+``T * k`` rows, not ``T * E``, no token is ever dropped (no capacity factor), and it is differentiable. With
+FP8 experts the W8A8 blockwise numerics are those of :func:`fp8rl_jax.fp8.w8a8_block_matmul`'s dequantize path:
+activations are quantized per token in 1x128 groups (vLLM ``QuantFP8`` native rounding), weights are the
+dequantized e4m3 blocks, products accumulate in float32. The router always stays dense in ``param_dtype``
+(bf16 in rollout), as verl's FP8 rollout keeps ``mlp.gate`` in its ignored layers. When a training-precision
+``dot_general`` is set on the expert ``Linear`` layers (FP8 training, :mod:`fp8rl_jax.trainer.precision`), each
+expert's own ``Linear`` runs on all tokens weighted by its routing weight instead (E/k times the FLOPs).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from fp8rl_jax.fp8 import dequantize_weight_blockwise, fake_quantize_activation
+from fp8rl_jax.models.config import ModelConfig
+
+
+def route_top_k(router_logits: jax.Array, top_k: int, norm_topk_prob: bool) -> tuple[jax.Array, jax.Array]:
+    """Qwen3-MoE routing: float32 softmax over experts, top-k, optional renormalisation.
+
+    Args:
+      router_logits: ``[T, E]`` (any float dtype).
+      top_k: experts per token (``num_experts_per_tok``).
+      norm_topk_prob: divide the k probabilities by their sum (HF ``norm_topk_prob``; vLLM ``renormalize``).
+
+    Returns:
+      ``(weights [T, k] float32, expert_ids [T, k] int32)``, experts in descending probability order
+      (ties broken towards the lower expert id, as ``torch.topk`` / ``jax.lax.top_k``).
+
+    Raises:
+      ValueError: ``top_k`` not in ``[1, E]``.
+
+    Source: transformers ``Qwen3MoeTopKRouter.forward``.
+    """
+    e = router_logits.shape[-1]
+    if not 1 <= top_k <= e:
+        raise ValueError(f"top_k={top_k} must be in [1, num_experts={e}]")
+    probs = jax.nn.softmax(router_logits.astype(jnp.float32), axis=-1)
+    weights, ids = jax.lax.top_k(probs, top_k)
+    if norm_topk_prob:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return weights, ids.astype(jnp.int32)
+
+
+class Expert(nnx.Module):
+    """One SwiGLU expert: ``gate_proj``/``up_proj`` ``[moe_intermediate_size, hidden]``, ``down_proj`` ``[hidden, I]``.
+
+    The three are :class:`~fp8rl_jax.models.decoder.Linear` (dense or FP8 blockwise), so their NNX paths are
+    the checkpoint names ``mlp.experts.{j}.{gate,up,down}_proj.weight`` (+ ``weight_scale_inv`` in FP8).
+    """
+
+    def __init__(self, hidden: int, intermediate: int, *, linear_precision: str, param_dtype, dtype, rngs: nnx.Rngs):
+        from fp8rl_jax.models.decoder import Linear
+
+        lin = dict(precision=linear_precision, param_dtype=param_dtype, dtype=dtype, rngs=rngs)
+        self.gate_proj = Linear(hidden, intermediate, **lin)
+        self.up_proj = Linear(hidden, intermediate, **lin)
+        self.down_proj = Linear(intermediate, hidden, **lin)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """Per-expert reference path: ``x [..., hidden] -> [..., hidden]``."""
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def _stacked_kn(linears, dtype) -> jax.Array:
+    """Stack per-expert ``[N, K]`` weights (dense or e4m3 + ``weight_scale_inv``) as ``[E, K, N]`` in ``dtype``."""
+    first = linears[0]
+    if first.precision == "fp8":
+        q = jnp.stack([l.weight[...] for l in linears])
+        s = jnp.stack([l.weight_scale_inv[...] for l in linears])
+        w = dequantize_weight_blockwise(q, s, first.block_size, out_dtype=jnp.float32)
+    else:
+        w = jnp.stack([l.weight[...] for l in linears]).astype(dtype)
+    return jnp.swapaxes(w, 1, 2)
+
+
+class SparseMoeBlock(nnx.Module):
+    """Qwen3-MoE MLP: router ``gate`` + ``experts`` (see the module docstring for semantics and names).
+
+    Args:
+      cfg: a ``qwen3_moe`` :class:`ModelConfig` (``num_experts``, ``num_experts_per_tok``,
+        ``moe_intermediate_size``, ``norm_topk_prob``).
+      linear_precision: ``"dense"`` or ``"fp8"`` for the experts; the router is always dense.
+      param_dtype: storage dtype of dense params (router included).
+      dtype: activation/compute dtype.
+      rngs: ``nnx.Rngs`` for random init.
+
+    Raises:
+      ValueError: ``cfg`` has no experts.
+    """
+
+    def __init__(self, cfg: ModelConfig, *, linear_precision: str, param_dtype, dtype, rngs: nnx.Rngs):
+        from fp8rl_jax.models.decoder import Linear
+
+        if cfg.num_experts <= 0 or cfg.num_experts_per_tok <= 0:
+            raise ValueError(f"SparseMoeBlock needs num_experts > 0 and num_experts_per_tok > 0, got "
+                             f"{cfg.num_experts} and {cfg.num_experts_per_tok} (model_type={cfg.model_type!r})")
+        self.num_experts, self.top_k, self.norm_topk_prob = cfg.num_experts, cfg.num_experts_per_tok, cfg.norm_topk_prob
+        self.dtype, self.precision = dtype, linear_precision
+        self.gate = Linear(cfg.hidden_size, cfg.num_experts, precision="dense", param_dtype=param_dtype, dtype=dtype,
+                           rngs=rngs)
+        self.experts = nnx.List([Expert(cfg.hidden_size, cfg.moe_intermediate_size, linear_precision=linear_precision,
+                                        param_dtype=param_dtype, dtype=dtype, rngs=rngs)
+                                 for _ in range(cfg.num_experts)])
+
+    def router(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """``x [T, hidden]`` -> ``(router_logits [T, E] dtype, weights [T, k] float32, expert_ids [T, k] int32)``.
+
+        The logits are a plain einsum on ``gate.weight`` in the compute dtype, ignoring any ``dot_general``
+        a training-precision pass may have set on the ``Linear``: the router is never run in FP8.
+        """
+        logits = jnp.einsum("tk,ek->te", x.astype(self.dtype), self.gate.weight[...].astype(self.dtype))
+        w, ids = route_top_k(logits, self.top_k, self.norm_topk_prob)
+        return logits, w, ids
+
+    def _act_in(self, x: jax.Array) -> jax.Array:
+        """Activation entering an expert matmul: fp8 -> 1x128 e4m3 quantize-dequantize in float32."""
+        if self.precision == "fp8":
+            return fake_quantize_activation(x.astype(jnp.float32), self.experts[0].gate_proj.block_size)
+        return x.astype(self.dtype)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """``x [B, S, hidden]`` (or ``[T, hidden]``) -> same shape and dtype ``dtype``."""
+        shape = x.shape
+        xt = x.reshape(-1, shape[-1]).astype(self.dtype)
+        t = xt.shape[0]
+        _, weights, ids = self.router(xt)
+        weights = weights.astype(self.dtype)  # HF casts the top-k weights back to the logits dtype
+        if self.experts[0].gate_proj.dot_general is not None:
+            # A training-precision product (e.g. FP8 training's custom VJP) is set on the expert Linears: honour
+            # it by running each expert's own Linear on all tokens, weighted by its (mostly zero) routing weight.
+            # E/k times the FLOPs of the grouped path; exact same routing semantics.
+            dense_w = jnp.zeros((t, self.num_experts), self.dtype).at[jnp.arange(t)[:, None], ids].set(weights)
+            out = sum(dense_w[:, j, None] * e(xt) for j, e in enumerate(self.experts))
+            return out.astype(self.dtype).reshape(shape)
+        flat = ids.reshape(-1)                                  # [T*k] expert of each (token, slot)
+        order = jnp.argsort(flat, stable=True)                  # group pairs by expert
+        token = order // self.top_k                             # token of each sorted pair
+        group_sizes = jnp.bincount(flat, length=self.num_experts).astype(jnp.int32)
+        acc = jnp.float32 if self.precision == "fp8" else self.dtype
+        wg = _stacked_kn([e.gate_proj for e in self.experts], self.dtype)
+        wu = _stacked_kn([e.up_proj for e in self.experts], self.dtype)
+        wd = _stacked_kn([e.down_proj for e in self.experts], self.dtype)
+        xs = self._act_in(xt[token])
+        g = jax.lax.ragged_dot(xs, wg.astype(xs.dtype), group_sizes, preferred_element_type=acc)
+        u = jax.lax.ragged_dot(xs, wu.astype(xs.dtype), group_sizes, preferred_element_type=acc)
+        h = (jax.nn.silu(g.astype(self.dtype)) * u.astype(self.dtype))
+        hs = self._act_in(h)
+        y = jax.lax.ragged_dot(hs, wd.astype(hs.dtype), group_sizes, preferred_element_type=acc).astype(self.dtype)
+        y = y * weights.reshape(-1)[order][:, None]
+        out = jnp.zeros((t, shape[-1]), self.dtype).at[token].add(y)
+        return out.reshape(shape)
+
+
+def tiny_qwen3_moe_config(vocab_size: int, *, hidden_size: int = 64, num_hidden_layers: int = 2,
+                          num_experts: int = 4, num_experts_per_tok: int = 2, moe_intermediate_size: int = 32,
+                          bos_token_id: int | None = None, eos_token_id: int | None = None,
+                          pad_token_id: int | None = None) -> ModelConfig:
+    """A tiny Qwen3-MoE :class:`ModelConfig` (4 heads, 2 KV heads, head_dim 16, every layer sparse, renormalised).
+
+    For smoke runs and tests only (random weights). Raises ``ValueError`` for non-positive sizes.
+    """
+    return ModelConfig(model_type="qwen3_moe", vocab_size=vocab_size, hidden_size=hidden_size,
+                       intermediate_size=2 * hidden_size, num_hidden_layers=num_hidden_layers, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6, max_position_embeddings=2048,
+                       bos_token_id=bos_token_id, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
+                       num_experts=num_experts, num_experts_per_tok=num_experts_per_tok,
+                       moe_intermediate_size=moe_intermediate_size, norm_topk_prob=True, qk_norm=True)
+
+
+def write_tiny_qwen3_moe(path: str, *, tokenizer_source: str = "smollm2-135m-instruct", seed: int = 0,
+                         **sizes) -> ModelConfig:
+    """Write a random-weight tiny Qwen3-MoE HF directory (``config.json``, ``model.safetensors``, tokenizer).
+
+    The vocabulary and special tokens come from ``tokenizer_source`` (default: the packaged SmolLM2 tokenizer,
+    vocab 49152, with its chat template), so the directory works as ``train.model=<path>``. Weights are the
+    decoder's random init (normal(0.02), norms 1) from ``seed``, stored float32 under HF/vLLM names.
+
+    Args:
+      path: output directory (created).
+      tokenizer_source: anything :func:`fp8rl_jax.models.loading.load_tokenizer_for` accepts.
+      seed: init seed.
+      sizes: overrides for :func:`tiny_qwen3_moe_config` (``hidden_size``, ``num_experts``, ...).
+
+    Returns:
+      the written config.
+
+    Raises:
+      FileNotFoundError: the tokenizer source is missing (e.g. the SmolLM2 package is not installed).
+    """
+    from fp8rl_jax.models.decoder import named_params
+    from fp8rl_jax.models.hf_io import save_hf_dir
+    from fp8rl_jax.models.loading import build_model, load_tokenizer_for
+
+    tok = load_tokenizer_for(tokenizer_source)
+    eos = tok.eos_token_ids
+    cfg = tiny_qwen3_moe_config(tok.vocab_size, bos_token_id=tok.bos_token_id, eos_token_id=eos[0] if eos else None,
+                                pad_token_id=tok.pad_token_id, **sizes)
+    model = build_model(cfg, seed=seed)
+    save_hf_dir(path, cfg, named_params(model))
+    tok.save(path)
+    return cfg
+
+
+if __name__ == "__main__":  # python -m fp8rl_jax.models.moe OUT_DIR
+    import sys
+
+    if len(sys.argv) != 2:
+        sys.exit("usage: python -m fp8rl_jax.models.moe OUT_DIR  (writes a random tiny Qwen3-MoE HF directory)")
+    print(write_tiny_qwen3_moe(sys.argv[1]))

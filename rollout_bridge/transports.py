@@ -1,0 +1,536 @@
+"""Weight-sync transports: trainer (sender) -> rollout workers (receivers), three ways behind one interface.
+
+Every transport moves the same thing: ``{hf_name: tensor}`` in checkpoint layout plus per-layer KV scales and
+the weights ``version``; every receiver ends in the same place, ``_fp8rl_load(named_tensors, kv_scales,
+version)`` (vLLM: the worker's ``reload_weights(..., is_checkpoint_format=True)``; embedded engine:
+``update_weights``). Receivers record the version only after a complete load and ``-1`` while a load is in
+progress, so a worker that failed mid-sync is recognisably inconsistent, never silently stale.
+
+Transports (``name``):
+
+- ``"inprocess"``: the tensor objects themselves are handed to a receiver in the same process (DLPack views of
+  the JAX buffers; no copy before vLLM's own ``copy_`` into its parameters).
+- ``"shm"``: cross-process on one node. Tensors are flattened into byte buckets (``bucket_bytes`` each, 64-byte
+  aligned offsets); on CPU the buckets are POSIX shared memory (``multiprocessing.shared_memory``), on CUDA they
+  are device buffers shared by CUDA IPC handles (``torch.multiprocessing.reductions.reduce_tensor``). Only the
+  metadata (names, dtypes, shapes, bucket, offset, nbytes) travels through the RPC.
+- ``"dist"``: cross-node. A stateless ``torch.distributed`` group (``TCPStore`` + ``ProcessGroupGloo`` on CPU,
+  NCCL on GPU) of the trainer (rank 0) and the receivers; buckets are broadcast from rank 0. It never touches
+  the default process group, so it coexists with vLLM's own.
+
+Errors are :class:`WeightSyncError` naming the receiver and the cause (dead worker, timeout, version mismatch).
+The flattened-bucket design follows slime/verl's bucketed weight update; the stateless group follows vLLM's
+``StatelessProcessGroup`` idea (facts only, no code taken).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import datetime
+import time
+import uuid
+from typing import Any, Callable, Iterable, Protocol, Sequence
+
+ALIGN = 64
+DEFAULT_BUCKET_BYTES = 512 << 20
+TRANSPORTS = ("inprocess", "shm", "dist")
+
+
+class WeightSyncError(RuntimeError):
+    """A weight sync did not complete: the receiver died, timed out, rejected the tensors or reported a wrong
+    version. The rollout engine must not be used until a later sync succeeds; the trainer's state is untouched."""
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# flattened buckets
+# ---------------------------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class TensorEntry:
+    """Where one tensor lives in the flattened buckets.
+
+    Attributes:
+      name: HF/vLLM checkpoint name. dtype: torch dtype name (``"bfloat16"``, ``"float8_e4m3fn"``, ...).
+      shape: tensor shape. bucket: bucket index. offset: byte offset in the bucket. nbytes: byte length.
+    """
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    bucket: int
+    offset: int
+    nbytes: int
+
+
+def plan_buckets(tensors: dict[str, Any], bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> tuple[list[TensorEntry], list[int]]:
+    """Assign tensors (in the given order) to byte buckets of at most ``bucket_bytes`` (a larger tensor gets its own).
+
+    Args:
+      tensors: ``{name: torch.Tensor}``.
+      bucket_bytes: bucket capacity in bytes (> 0).
+
+    Returns:
+      ``(entries, bucket_sizes)``; offsets are multiples of 64 bytes so every dtype view is aligned.
+
+    Raises:
+      ValueError: ``bucket_bytes`` <= 0.
+    """
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+    entries, sizes = [], [0]
+    for name, t in tensors.items():
+        n = int(t.numel()) * int(t.element_size())
+        start = -(-sizes[-1] // ALIGN) * ALIGN
+        if sizes[-1] > 0 and start + n > bucket_bytes:
+            sizes.append(0)
+            start = 0
+        entries.append(TensorEntry(name, str(t.dtype).removeprefix("torch."), tuple(int(s) for s in t.shape),
+                                   len(sizes) - 1, start, n))
+        sizes[-1] = start + n
+    return entries, [max(s, 1) for s in sizes]
+
+
+def _as_bytes(t):
+    """Flat uint8 view of a contiguous tensor (no copy)."""
+    import torch
+
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+def copy_bytes(dst, src) -> None:
+    """``dst[:] = src`` for uint8 tensors: a single-threaded ``numpy.copyto`` memcpy on CPU (torch's threaded
+    ``copy_`` pays a thread-pool barrier per call, which dominates on small, busy CPUs), ``copy_`` on GPU."""
+    import numpy as np
+
+    if dst.device.type == "cpu" and src.device.type == "cpu":
+        np.copyto(dst.numpy(), src.numpy())
+    else:
+        dst.copy_(src, non_blocking=True)
+
+
+def fill_buckets(buckets: Sequence[Any], tensors: dict[str, Any], entries: Sequence[TensorEntry]) -> None:
+    """Copy each tensor's bytes into its bucket slot (``buckets``: uint8 torch tensors, one per bucket)."""
+    for e in entries:
+        copy_bytes(buckets[e.bucket][e.offset:e.offset + e.nbytes], _as_bytes(tensors[e.name]))
+
+
+def unpack_buckets(buckets: Sequence[Any], entries: Sequence[TensorEntry]) -> list[tuple[str, Any]]:
+    """Views ``[(name, tensor)]`` into the buckets (no copy), with the dtypes and shapes of ``entries``."""
+    import torch
+
+    out = []
+    for e in entries:
+        raw = buckets[e.bucket][e.offset:e.offset + e.nbytes]
+        out.append((e.name, raw.view(getattr(torch, e.dtype)).reshape(e.shape)))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# receiver side
+# ---------------------------------------------------------------------------------------------------------------
+class WeightReceiverMixin:
+    """The receiving end of every transport (mixed into vLLM's worker and the Ray rollout actor).
+
+    Subclasses implement ``_fp8rl_load(named: list[(name, torch.Tensor)], kv_scales: {layer: {"k_scale": f}},
+    version: int) -> None``. Public methods are prefixed ``fp8rl_`` so they never shadow vLLM ``Worker``
+    attributes (vLLM refuses conflicting ``worker_extension_cls`` attributes).
+    """
+
+    _fp8rl_version: int = -1
+    _fp8rl_group = None
+
+    def _fp8rl_guarded(self, named, kv_scales, version: int) -> int:
+        self._fp8rl_version = -1  # inconsistent until the whole load completed
+        self._fp8rl_load(named, kv_scales, version)
+        self._fp8rl_version = int(version)
+        return self._fp8rl_version
+
+    def _fp8rl_load(self, named, kv_scales, version):  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def fp8rl_weights_version(self) -> int:
+        """Version of the last complete load (``-1``: none yet, or the last load failed part way)."""
+        return int(self._fp8rl_version)
+
+    def fp8rl_load_tensors(self, named: list, kv_scales: dict, version: int) -> int:
+        """In-process transport: ``named`` are the tensors themselves. Returns the loaded version."""
+        return self._fp8rl_guarded(list(named), kv_scales, version)
+
+    def fp8rl_load_shm(self, meta: dict, kv_scales: dict, version: int) -> int:
+        """Shared-memory transport (CPU): map the segments in ``meta["segments"]`` (kept mapped while the sender
+        reuses them, so pages are not faulted in again every step), load from views into them."""
+        import torch
+
+        names = tuple(meta["segments"])
+        cached = getattr(self, "_fp8rl_shm", None)
+        if cached is None or cached[0] != names:
+            self.fp8rl_release_shm()
+            self._fp8rl_shm = (names, _attach_untracked(names))
+        segs = self._fp8rl_shm[1]
+        buckets = [torch.frombuffer(s.buf, dtype=torch.uint8, count=size) for s, size in zip(segs, meta["sizes"])]
+        named = unpack_buckets(buckets, [TensorEntry(*e) for e in meta["entries"]])
+        out = self._fp8rl_guarded(named, kv_scales, version)
+        del named, buckets
+        return out
+
+    def fp8rl_release_shm(self) -> None:
+        """Unmap the shared-memory segments of the last sync (the sender owns and unlinks them)."""
+        cached = getattr(self, "_fp8rl_shm", None)
+        self._fp8rl_shm = None
+        for s in (cached[1] if cached else []):
+            try:
+                s.close()
+            except BufferError:  # a view is still referenced somewhere; dropped with it
+                pass
+
+    def fp8rl_load_cuda_ipc(self, meta: dict, kv_scales: dict, version: int) -> int:
+        """CUDA IPC transport: rebuild the sender's device buckets from their IPC handles on this device."""
+        import torch
+
+        dev = torch.cuda.current_device()
+        buckets = []
+        for fn, args in meta["handles"]:
+            args = list(args)
+            args[6] = dev  # the handle names the sender's device index; map it to ours (same physical GPU)
+            buckets.append(fn(*args))
+        named = unpack_buckets(buckets, [TensorEntry(*e) for e in meta["entries"]])
+        out = self._fp8rl_guarded(named, kv_scales, version)
+        torch.cuda.synchronize()
+        return out
+
+    def fp8rl_join_group(self, host: str, port: int, world_size: int, rank_offset: int, backend: str,
+                         timeout_s: float) -> int:
+        """Join the trainer's stateless broadcast group (rank ``rank_offset`` + this worker's rank)."""
+        rank = int(rank_offset) + int(getattr(self, "rank", 0) or 0)
+        self._fp8rl_group = _make_group(host, port, world_size, rank, backend, timeout_s)
+        return rank
+
+    def fp8rl_load_broadcast(self, meta: dict, kv_scales: dict, version: int) -> int:
+        """``torch.distributed`` transport: receive the broadcast buckets from rank 0, then load."""
+        import torch
+
+        if self._fp8rl_group is None:
+            raise RuntimeError("fp8rl_load_broadcast before fp8rl_join_group")
+        device = "cuda" if meta["backend"] == "nccl" else "cpu"
+        key = (tuple(meta["sizes"]), device)
+        cached = getattr(self, "_fp8rl_bcast", None)
+        if cached is None or cached[0] != key:  # reused every step while the layout is unchanged
+            cached = self._fp8rl_bcast = (key, [torch.empty(n, dtype=torch.uint8, device=device) for n in key[0]])
+        buckets = cached[1]
+        for b in buckets:
+            _broadcast(self._fp8rl_group, b)
+        named = unpack_buckets(buckets, [TensorEntry(*e) for e in meta["entries"]])
+        return self._fp8rl_guarded(named, kv_scales, version)
+
+
+def _attach_untracked(names: Sequence[str]) -> list:
+    """Attach existing shared-memory segments without registering them with a resource tracker.
+
+    Python < 3.13 registers attached segments too, so a receiver's tracker would unlink the sender's segment when
+    the receiver exits (and a tracker shared with the sender would lose the sender's registration). The sender
+    owns and unlinks the segments (``track=False`` semantics of Python 3.13).
+    """
+    from multiprocessing import resource_tracker, shared_memory
+
+    register = resource_tracker.register
+    resource_tracker.register = lambda *a, **k: None
+    try:
+        return [shared_memory.SharedMemory(name=n) for n in names]
+    finally:
+        resource_tracker.register = register
+
+
+def _make_group(host: str, port: int, world_size: int, rank: int, backend: str, timeout_s: float):
+    import torch.distributed as dist
+
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = dist.TCPStore(host, int(port), int(world_size), rank == 0, timeout=timeout)
+    if backend == "gloo":
+        return dist.ProcessGroupGloo(store, rank, world_size, timeout)
+    if backend == "nccl":
+        return dist.ProcessGroupNCCL(store, rank, world_size)
+    raise ValueError(f"unknown torch.distributed backend {backend!r}; expected 'gloo' or 'nccl'")
+
+
+def _broadcast(group, tensor) -> None:
+    import torch.distributed as dist
+
+    opts = dist.BroadcastOptions()
+    opts.rootRank = 0
+    group.broadcast([tensor], opts).wait()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# sender side
+# ---------------------------------------------------------------------------------------------------------------
+class Pending(Protocol):
+    """A started receiver call; ``result(timeout)`` returns its value or raises."""
+
+    def result(self, timeout: float | None = None) -> Any: ...
+
+
+class Receiver(Protocol):
+    """A handle the sender calls receiver methods through (vLLM ``collective_rpc``, a Ray actor, ...)."""
+
+    name: str
+
+    def call(self, method: str, *args) -> Pending:
+        """Start ``method(*args)`` on the receiver (all of its workers) and return at once."""
+
+
+class ThreadReceiver:
+    """A :class:`Receiver` over a blocking ``rpc(method, args) -> value`` callable, run on a helper thread
+    (used for the in-process vLLM engine: ``llm.collective_rpc``)."""
+
+    def __init__(self, rpc: Callable[[str, tuple], Any], name: str = "local"):
+        self.rpc, self.name = rpc, name
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"fp8rl-{name}")
+
+    def call(self, method: str, *args) -> Pending:
+        """Start ``rpc(method, args)`` on the helper thread."""
+        return self._pool.submit(self.rpc, method, args)
+
+
+def _wait_all(receivers: Sequence[Receiver], pendings: Sequence[Pending], what: str, timeout_s: float | None,
+              version: int) -> None:
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    for r, p in zip(receivers, pendings):
+        left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+        try:
+            got = p.result(timeout=left)
+        except WeightSyncError:
+            raise
+        except (concurrent.futures.TimeoutError, TimeoutError) as e:
+            raise WeightSyncError(f"weight sync v{version} to {r.name} timed out after {timeout_s}s during {what}") from e
+        except Exception as e:  # noqa: BLE001 - any receiver failure is a failed sync, named and chained
+            raise WeightSyncError(f"weight sync v{version} to {r.name} failed during {what}: "
+                                  f"{type(e).__name__}: {e}") from e
+        vals = got if isinstance(got, (list, tuple)) else [got]
+        if what.startswith("load") and any(int(v) != int(version) for v in vals):
+            raise WeightSyncError(f"receiver {r.name} reports weights version {vals} after sync v{version}")
+
+
+@dataclasses.dataclass
+class SyncStats:
+    """What one sync moved: ``nbytes`` (payload bytes), ``seconds`` (wall), ``transport`` name, ``buckets``."""
+
+    transport: str
+    nbytes: int
+    seconds: float
+    buckets: int = 0
+
+
+class Transport:
+    """Base class: ``send(tensors, kv_scales, version, receivers, timeout_s) -> SyncStats``.
+
+    ``tensors`` are torch tensors (DLPack views of the trainer's JAX arrays), ordered by layer.
+    """
+
+    name = "base"
+
+    def send(self, tensors: dict[str, Any], kv_scales: dict, version: int, receivers: Sequence[Receiver],
+             timeout_s: float | None = None) -> SyncStats:
+        """Deliver one complete set of weights to every receiver; raise :class:`WeightSyncError` on failure."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Release buffers / groups."""
+
+
+def _payload_bytes(tensors: dict[str, Any]) -> int:
+    return int(sum(int(t.numel()) * int(t.element_size()) for t in tensors.values()))
+
+
+class InProcessTransport(Transport):
+    """Hand the tensors themselves to receivers living in this process (no serialization, no copy)."""
+
+    name = "inprocess"
+
+    def send(self, tensors, kv_scales, version, receivers, timeout_s=None) -> SyncStats:
+        """See :class:`Transport`."""
+        t0 = time.perf_counter()
+        named = list(tensors.items())
+        pend = [r.call("fp8rl_load_tensors", named, kv_scales, version) for r in receivers]
+        _wait_all(receivers, pend, "load (in-process)", timeout_s, version)
+        return SyncStats(self.name, _payload_bytes(tensors), time.perf_counter() - t0, 0)
+
+
+class SharedMemoryTransport(Transport):
+    """Flattened buckets in POSIX shared memory (CPU tensors) or CUDA IPC buffers (CUDA tensors).
+
+    Args:
+      bucket_bytes: bucket capacity. The CPU segments are created once and reused while the layout is unchanged
+        (a steady-state sync is one memcpy per tensor plus the receiver's load).
+    """
+
+    name = "shm"
+
+    def __init__(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
+        self.bucket_bytes = int(bucket_bytes)
+        self._segs: list = []
+        self._sizes: list[int] = []
+
+    def _segments(self, sizes: list[int]):
+        import torch
+        from multiprocessing import shared_memory
+
+        if sizes != self._sizes:
+            self.close()
+            tag = uuid.uuid4().hex[:12]
+            self._segs = [shared_memory.SharedMemory(create=True, size=s, name=f"fp8rl_{tag}_{i}")
+                          for i, s in enumerate(sizes)]
+            self._sizes = list(sizes)
+        return [torch.frombuffer(s.buf, dtype=torch.uint8, count=n) for s, n in zip(self._segs, sizes)]
+
+    def send(self, tensors, kv_scales, version, receivers, timeout_s=None) -> SyncStats:
+        """See :class:`Transport`."""
+        import torch
+
+        t0 = time.perf_counter()
+        entries, sizes = plan_buckets(tensors, self.bucket_bytes)
+        flat = [dataclasses.astuple(e) for e in entries]
+        on_cuda = any(t.is_cuda for t in tensors.values())
+        if on_cuda:
+            from torch.multiprocessing.reductions import reduce_tensor
+
+            dev = next(t.device for t in tensors.values() if t.is_cuda)
+            buckets = [torch.empty(s, dtype=torch.uint8, device=dev) for s in sizes]
+            fill_buckets(buckets, tensors, entries)
+            torch.cuda.synchronize(dev)
+            meta = {"entries": flat, "handles": [reduce_tensor(b) for b in buckets]}
+            pend = [r.call("fp8rl_load_cuda_ipc", meta, kv_scales, version) for r in receivers]
+            _wait_all(receivers, pend, "load (CUDA IPC)", timeout_s, version)
+            del buckets
+        else:
+            buckets = self._segments(sizes)
+            fill_buckets(buckets, tensors, entries)
+            del buckets
+            meta = {"entries": flat, "segments": [s.name for s in self._segs], "sizes": sizes}
+            pend = [r.call("fp8rl_load_shm", meta, kv_scales, version) for r in receivers]
+            _wait_all(receivers, pend, "load (shared memory)", timeout_s, version)
+        return SyncStats(self.name, _payload_bytes(tensors), time.perf_counter() - t0, len(sizes))
+
+    def close(self) -> None:
+        """Unlink the shared-memory segments."""
+        for s in self._segs:
+            try:
+                s.close()
+            except BufferError:
+                pass
+            try:
+                s.unlink()
+            except FileNotFoundError:
+                pass
+        self._segs, self._sizes = [], []
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """An unused TCP port on ``host`` (for the broadcast group's ``TCPStore``)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+class TorchDistributedTransport(Transport):
+    """Broadcast flattened buckets over a stateless ``torch.distributed`` group (rank 0 = trainer).
+
+    Args:
+      host: address the receivers reach the trainer's ``TCPStore`` at (this node's IP for a cluster).
+      port: store port (default: a free one).
+      backend: ``"gloo"`` (CPU tensors) or ``"nccl"`` (CUDA tensors).
+      bucket_bytes: bucket capacity.
+      timeout_s: group timeout (seconds); a receiver that stops answering fails the broadcast after it.
+      workers_per_receiver: ranks each receiver contributes (vLLM tensor-parallel size).
+    """
+
+    name = "dist"
+
+    def __init__(self, host: str = "127.0.0.1", port: int | None = None, backend: str = "gloo",
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, timeout_s: float = 120.0, workers_per_receiver: int = 1):
+        if backend not in ("gloo", "nccl"):
+            raise ValueError(f"unknown torch.distributed backend {backend!r}; expected 'gloo' or 'nccl'")
+        self.host, self.port, self.backend = host, port, backend
+        self.bucket_bytes, self.timeout_s, self.wpr = int(bucket_bytes), float(timeout_s), int(workers_per_receiver)
+        self.group = None
+        self._receivers: tuple = ()
+        self._buckets = None
+
+    def connect(self, receivers: Sequence[Receiver]) -> None:
+        """Form the group with ``receivers`` (each joins with its rank offset); idempotent for the same set.
+
+        Raises:
+          WeightSyncError: a receiver did not join within ``timeout_s``.
+        """
+        if self.group is not None and tuple(receivers) == self._receivers:
+            return
+        port = self.port or free_port(self.host)
+        world = 1 + self.wpr * len(receivers)
+        pend = [r.call("fp8rl_join_group", self.host, port, world, 1 + i * self.wpr, self.backend, self.timeout_s)
+                for i, r in enumerate(receivers)]
+        try:
+            self.group = _make_group(self.host, port, world, 0, self.backend, self.timeout_s)
+        except Exception as e:  # noqa: BLE001
+            raise WeightSyncError(f"torch.distributed group ({self.backend}, {self.host}:{port}, world {world}) "
+                                  f"did not form within {self.timeout_s}s: {type(e).__name__}: {e}") from e
+        _wait_all(receivers, pend, "join_group", self.timeout_s, -1)
+        self._receivers = tuple(receivers)
+
+    def send(self, tensors, kv_scales, version, receivers, timeout_s=None) -> SyncStats:
+        """See :class:`Transport` (connects on first use)."""
+        import torch
+
+        t0 = time.perf_counter()
+        self.connect(receivers)
+        entries, sizes = plan_buckets(tensors, self.bucket_bytes)
+        meta = {"entries": [dataclasses.astuple(e) for e in entries], "sizes": sizes, "backend": self.backend}
+        pend = [r.call("fp8rl_load_broadcast", meta, kv_scales, version) for r in receivers]
+        device = "cuda" if self.backend == "nccl" else "cpu"
+        try:
+            if self._buckets is None or [b.numel() for b in self._buckets] != sizes:
+                self._buckets = [torch.empty(n, dtype=torch.uint8, device=device) for n in sizes]
+            fill_buckets(self._buckets, tensors, entries)
+            for bucket in self._buckets:
+                _broadcast(self.group, bucket)
+        except Exception as e:  # noqa: BLE001
+            self.group = None  # a broken group is never reused
+            raise WeightSyncError(f"broadcast of weights v{version} failed ({self.backend}): "
+                                  f"{type(e).__name__}: {e}") from e
+        _wait_all(receivers, pend, "load (broadcast)", timeout_s or self.timeout_s, version)
+        return SyncStats(self.name, _payload_bytes(tensors), time.perf_counter() - t0, len(sizes))
+
+    def close(self) -> None:
+        """Drop the group and the bucket buffers."""
+        self.group = None
+        self._receivers = ()
+        self._buckets = None
+
+
+def make_transport(name: str, **kwargs) -> Transport:
+    """``"inprocess"`` | ``"shm"`` | ``"dist"`` -> a transport (kwargs go to its constructor).
+
+    Raises:
+      ValueError: unknown name.
+    """
+    classes = {"inprocess": InProcessTransport, "shm": SharedMemoryTransport, "dist": TorchDistributedTransport}
+    if name not in classes:
+        raise ValueError(f"unknown weight-sync transport {name!r}; expected one of {TRANSPORTS}")
+    return classes[name](**kwargs)
+
+
+def order_by_layer(names: Iterable[str]) -> list[str]:
+    """Names sorted so each decoder layer's tensors are adjacent (vLLM's layerwise reload processes a layer as
+    soon as all of its tensors arrived)."""
+    import re
+
+    def key(n):
+        m = re.match(r"^model\.layers\.(\d+)\.", n)
+        return (0 if n.startswith("model.embed") else 1 if m else 2, int(m.group(1)) if m else 0, n)
+
+    return sorted(names, key=key)
+
+
+__all__ = ["WeightSyncError", "TensorEntry", "plan_buckets", "fill_buckets", "unpack_buckets", "WeightReceiverMixin",
+           "Receiver", "ThreadReceiver", "Transport", "InProcessTransport", "SharedMemoryTransport",
+           "TorchDistributedTransport", "SyncStats", "make_transport", "free_port", "order_by_layer", "TRANSPORTS"]

