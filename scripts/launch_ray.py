@@ -23,13 +23,13 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from fp8rl_jax.trainer.cli import add_gin_flags, config_from_gin_flags, fail  # noqa: E402
+
 
 def main(argv=None) -> int:
     """Parse flags, start the Ray job, train, print the summary; returns the exit status."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--gin_file", action="append", default=[], help="gin config file (repeatable)")
-    p.add_argument("--gin_param", action="append", default=[], help="gin binding, e.g. train.num_steps=3")
-    p.add_argument("--output_dir", default=None, help="run directory (overrides train.output_dir)")
+    add_gin_flags(p)
     p.add_argument("--address", default=None, help="existing Ray cluster ('auto', 'ray://head:10001'); "
                                                    "default: start a local one")
     p.add_argument("--num_rollout_actors", type=int, default=1)
@@ -43,20 +43,9 @@ def main(argv=None) -> int:
 
     import gin
 
-    import fp8rl_jax.trainer  # noqa: F401  (registers the gin configurables)
-
-    for path in args.gin_file:
-        if not os.path.isfile(path):
-            print(f"error: gin file not found: {path}", file=sys.stderr)
-            return 2
-    try:
-        gin.parse_config_files_and_bindings(args.gin_file, args.gin_param)
-        from fp8rl_jax.trainer import TrainConfig
-
-        cfg = TrainConfig(**({"output_dir": args.output_dir} if args.output_dir else {}))
-    except (ValueError, KeyError, SyntaxError, ImportError, TypeError) as e:
-        print(f"error: bad configuration: {e}", file=sys.stderr)
-        return 2
+    cfg, error = config_from_gin_flags(args)
+    if error:
+        return fail(error)
     from rollout_bridge.ray_launch import launch
 
     init = {k: v for k, v in (("num_cpus", args.num_cpus), ("_temp_dir", args.ray_temp_dir)) if v is not None}
@@ -65,8 +54,7 @@ def main(argv=None) -> int:
                          transport=args.transport, address=args.address, cpus_per_actor=args.cpus_per_actor,
                          gpus_per_actor=args.gpus_per_actor, ray_init_kwargs=init, gin_config=gin.config_str())
     except (ValueError, TimeoutError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return fail(str(e))
     print(json.dumps({"steps": len(history), "reward/mean_last": history[-1]["reward/mean"] if history else None,
                       "timing/sync_s_mean": sum(m["timing/sync_s"] for m in history) / max(len(history), 1)}))
     return 0

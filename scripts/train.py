@@ -20,44 +20,24 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from fp8rl_jax.trainer.cli import add_gin_flags, config_from_gin_flags, fail  # noqa: E402
+
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--gin_file", action="append", default=[], help="gin config file (repeatable)")
-    parser.add_argument("--gin_param", action="append", default=[], help="gin binding, e.g. train.num_steps=3")
-    parser.add_argument("--output_dir", default=None, help="run directory (overrides train.output_dir)")
+    add_gin_flags(parser)
     parser.add_argument("--resume", action="store_true",
                         help="continue from the latest checkpoint in OUTPUT_DIR/checkpoints (same as train.resume=True)")
     args = parser.parse_args(argv)
+    cfg, error = config_from_gin_flags(args, **({"resume": True} if args.resume else {}))
+    if error:
+        return fail(error)
+    from fp8rl_jax.trainer import train
 
-    import gin
-
-    import fp8rl_jax.trainer  # noqa: F401  (registers the gin configurables)
-
-    for path in args.gin_file:
-        if not os.path.isfile(path):
-            print(f"error: gin file not found: {path}", file=sys.stderr)
-            return 2
-    try:
-        gin.parse_config_files_and_bindings(args.gin_file, args.gin_param)
-    except (ValueError, KeyError, SyntaxError, ImportError, TypeError) as e:
-        print(f"error: bad gin configuration: {e}", file=sys.stderr)
-        return 2
-    from fp8rl_jax.trainer import TrainConfig, train
-
-    try:
-        kw = {"output_dir": args.output_dir} if args.output_dir else {}
-        if args.resume:
-            kw["resume"] = True
-        cfg = TrainConfig(**kw)
-    except (ValueError, TypeError) as e:
-        print(f"error: bad configuration: {e}", file=sys.stderr)
-        return 2
     try:
         train(cfg)
     except FileNotFoundError as e:  # e.g. a checkpoint with missing files: one clear line, no traceback
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return fail(str(e))
     return 0
 
 
