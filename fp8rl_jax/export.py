@@ -41,6 +41,13 @@ def is_quantized_linear(name: str) -> bool:
     return bool(_LINEAR.match(name))
 
 
+@jax.jit
+def _finite_flags(params: dict) -> dict:
+    # Module-level so the trainer's per-step export reuses one compiled program (a fresh jit(lambda) per
+    # call recompiled every step).
+    return {k: jnp.all(jnp.isfinite(v)) for k, v in params.items()}
+
+
 @functools.partial(jax.jit, static_argnames=("fmt", "block_size", "ue8m0"))
 def _export(params: dict, fmt: str, block_size: int, ue8m0: bool) -> dict:
     out = {}
@@ -84,8 +91,8 @@ def export_weights(params: dict, fmt: str = "fp8_blockwise", *, block_size: int 
     if fmt not in EXPORT_FORMATS:
         raise ValueError(f"unknown export format {fmt!r}; expected one of {EXPORT_FORMATS}")
     if check_finite:
-        finite = jax.jit(lambda p: {k: jnp.all(jnp.isfinite(v)) for k, v in p.items()})(params)
-        bad = [k for k, ok in finite.items() if not bool(ok)]
+        finite = jax.device_get(_finite_flags(dict(params)))
+        bad = [k for k, ok in finite.items() if not ok]
         if bad:
             raise ValueError(f"refusing to export non-finite weights: {bad[:5]} contain NaN or inf")
     tensors = _export(dict(params), fmt, block_size, ue8m0)

@@ -83,3 +83,16 @@ def make_tiny_run_dir(directory, arch: str = "llama", **overrides) -> str:
                   ).save_pretrained(directory)
     make_byte_tokenizer(directory)
     return str(directory)
+
+
+def make_tiny_smollm2_vocab_dir(directory, **overrides) -> str:
+    """An HF directory with a tiny random tied Llama (hidden 64, intermediate 128) and SmolLM2's real tokenizer
+    (vocab 49152, from the packaged GGUF): the quickstart's shapes at test speed. Returns ``str(directory)``."""
+    from fp8rl_jax.assets import smollm2_gguf_path
+    from fp8rl_jax.models.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_gguf(smollm2_gguf_path())
+    kw = dict(tie=True, vocab_size=tok.vocab_size, eos_token_id=2, pad_token_id=2, hidden_size=64, intermediate_size=128)
+    make_hf_model("llama", **dict(kw, **overrides)).save_pretrained(directory)
+    tok.save(str(directory))
+    return str(directory)

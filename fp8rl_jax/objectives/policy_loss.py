@@ -85,6 +85,14 @@ def _check_inputs(logprobs, old_logprobs, advantages, response_mask, token_weigh
     return broadcast_advantages(advantages, jnp.shape(response_mask))
 
 
+def _weighted_agg(pg_losses, token_weights, m, loss_agg_mode, loss_scale_factor):
+    """Multiply per-token losses by stop-gradient correction weights (0 on padding), then :func:`agg_loss`."""
+    if token_weights is not None:
+        w = jax.lax.stop_gradient(jnp.asarray(token_weights, jnp.float32))
+        pg_losses = pg_losses * jnp.where(m != 0, w, 0.0)
+    return agg_loss(pg_losses, m, loss_agg_mode, loss_scale_factor)
+
+
 def ppo_clip_loss(
     logprobs,
     old_logprobs,
@@ -153,10 +161,7 @@ def ppo_clip_loss(
     else:
         pg_losses = clipped
         clipfrac_lower = jnp.zeros((), jnp.float32)
-    if token_weights is not None:
-        w = jax.lax.stop_gradient(jnp.asarray(token_weights, jnp.float32))
-        pg_losses = pg_losses * jnp.where(m != 0, w, 0.0)
-    loss = agg_loss(pg_losses, m, loss_agg_mode, loss_scale_factor)
+    loss = _weighted_agg(pg_losses, token_weights, m, loss_agg_mode, loss_scale_factor)
     metrics = {
         "actor/pg_loss": loss,
         "actor/pg_clipfrac": masked_mean((l2 > l1).astype(jnp.float32), m),
@@ -200,10 +205,7 @@ def reinforce_loss(
     adv = jax.lax.stop_gradient(jnp.where(m != 0, adv, 0.0))
     lp = jnp.where(m != 0, jnp.asarray(logprobs, jnp.float32), 0.0)
     pg_losses = -adv * lp
-    if token_weights is not None:
-        w = jax.lax.stop_gradient(jnp.asarray(token_weights, jnp.float32))
-        pg_losses = pg_losses * jnp.where(m != 0, w, 0.0)
-    loss = agg_loss(pg_losses, m, loss_agg_mode, loss_scale_factor)
+    loss = _weighted_agg(pg_losses, token_weights, m, loss_agg_mode, loss_scale_factor)
     kl = masked_mean(-safe_log_ratio(logprobs, rollout_logprobs, m), m)
     return loss, jax.lax.stop_gradient({"actor/pg_loss": loss, "actor/ppo_kl": kl})
 
@@ -249,10 +251,7 @@ def gspo_loss(
     l1 = -adv * s
     l2 = -adv * jnp.clip(s, 1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
     pg_losses = jnp.maximum(l1, l2)
-    if token_weights is not None:
-        w = jax.lax.stop_gradient(jnp.asarray(token_weights, jnp.float32))
-        pg_losses = pg_losses * jnp.where(m != 0, w, 0.0)
-    loss = agg_loss(pg_losses, m, loss_agg_mode, loss_scale_factor)
+    loss = _weighted_agg(pg_losses, token_weights, m, loss_agg_mode, loss_scale_factor)
     metrics = {
         "actor/pg_loss": loss,
         "actor/pg_clipfrac": masked_mean((l2 > l1).astype(jnp.float32), m),
