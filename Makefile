@@ -20,7 +20,7 @@ $(VENV)/.core-ok: pyproject.toml constraints.txt
 	touch $@
 
 $(VENV)/.test-ok: $(VENV)/.core-ok
-	$(PIP) install -q -c constraints.txt -e '.[test,vllm,ray]'
+	$(PIP) install -q -c constraints.txt -e '.[test,vllm,ray,data]'
 	# The registry's torchvision/torchaudio/torchcodec are CUDA builds that break `import vllm` on CPU.
 	$(PIP) uninstall -q -y torchvision torchaudio torchcodec || true
 	touch $@

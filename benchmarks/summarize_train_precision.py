@@ -39,7 +39,7 @@ def main(run_dirs):
                         if ln.startswith("train.rollout_precision")), "?")
         r = [m["reward/mean"] for m in hist]
         k = min(5, max(1, len(r) // 2))
-        rows.append({"train_precision": prec, "rollout_precision": rollout, "steps": len(hist),
+        rows.append({"run_dir": d, "train_precision": prec, "rollout_precision": rollout, "steps": len(hist),
                      "reward_first": float(np.mean(r[:k])), "reward_last": float(np.mean(r[-k:])), "k": k,
                      "k3_kl_mean": float(np.mean([m["rollout_corr/k3_kl"] for m in hist])),
                      "kl_mean": float(np.mean([m["rollout_corr/kl"] for m in hist])),
@@ -50,16 +50,32 @@ def main(run_dirs):
             shutil.copy(os.path.join(d, "plots", png), os.path.join(OUT, f"{prec}_{png}"))
     device = f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores, shared)"
     with open(os.path.join(OUT, "train_precision_cpu.json"), "w") as f:
-        json.dump({"device": device, "runs": rows}, f, indent=2)
+        json.dump({"device": device, "runs": [{k: v for k, v in r.items() if k != "run_dir"} for r in rows]}, f, indent=2)
     lines = ["# Quickstart (SmolLM2-135M, chain_sum, FP8 rollout) by training precision", "",
-             f"Device: {device}. Config: configs/quickstart.gin + train.train_precision, 10 steps "
-             "(fewer where a run was cut short: see `steps`).", "",
+             f"Device: {device}. Config: configs/quickstart.gin + train.train_precision (FP8 W8A8 rollout, token TIS "
+             "C=2, seed 0) = configs/paper/exp4_fp16_train_fp8_rollout_small.gin / exp5_fp8_e2e_small.gin and their "
+             "bf16-training baseline; steps as listed. Runs one at a time:", "",
+             "    for p in bf16 fp16 fp8; do python scripts/train.py --gin_file=configs/quickstart.gin "
+             "--gin_param=train.num_steps=15 --gin_param=\"train.train_precision='$p'\" "
+             "--gin_param=train.checkpoint_every=0 --output_dir=runs/prec_$p; done",
+             "    python benchmarks/summarize_train_precision.py runs/prec_bf16 runs/prec_fp16 runs/prec_fp8", "",
+             "Reward first/last k = mean over the first/last k steps; k3_kl / kl = mean per-step mismatch between the "
+             "trainer's logprobs and the FP8 rollout's.", "",
              "| train precision | rollout | steps | reward first k | reward last k | k3_kl mean | kl mean | fp16 skipped | step s (median) |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['train_precision']} | {r['rollout_precision']} | {r['steps']} | {r['reward_first']:.3f} (k={r['k']}) | "
                      f"{r['reward_last']:.3f} | {r['k3_kl_mean']:.4f} | {r['kl_mean']:.4f} | {r['skipped_steps']:.0f} | "
                      f"{r['step_s_median']:.1f} |")
+    curves = {r["train_precision"]: read_metrics(os.path.join(r["run_dir"], "metrics.jsonl")) for r in rows}
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from _plots import plot_curves
+
+    plot_curves({f"{p} training": [[m["reward/mean"] for m in h]] for p, h in curves.items()},
+                os.path.join(OUT, "reward.png"), "reward (mean of 32 samples)")
+    plot_curves({f"{p} training": [[m["rollout_corr/k3_kl"] for m in h]] for p, h in curves.items()},
+                os.path.join(OUT, "mismatch_k3.png"), "mismatch k3 KL (trainer vs FP8 rollout)", log_y=True)
+    lines += ["", "![reward](reward.png) ![mismatch](mismatch_k3.png)"]
     with open(os.path.join(OUT, "README.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))

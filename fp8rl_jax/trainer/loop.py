@@ -25,7 +25,7 @@ import optax
 from flax import nnx
 
 from fp8rl_jax import objectives
-from fp8rl_jax.data import chain_sum_dataset, get_reward_fn
+from fp8rl_jax.data import get_reward_fn, make_train_dataset
 from fp8rl_jax.export import export_weights
 from fp8rl_jax.fp8.kv_cache import (KV_SCALE_CALIBRATIONS, KVScales, calibrate_kv_scales, masked_row_absmax,
                                     normalize_kv_cache_dtype)
@@ -63,7 +63,7 @@ class RLTrainer:
       loss_config: :class:`fp8rl_jax.objectives.LossConfig` (policy loss + rollout correction); default is
         the gin-configured one (PPO clip 0.2, token-mean, token TIS C=2).
       engine: a :class:`RolloutEngine` to use instead of the embedded JAX engine (e.g. vLLM).
-      dataset: a prompt dataset (default: ``chain_sum_dataset(task=config.task, seed=config.seed)``).
+      dataset: a prompt dataset (default: ``fp8rl_jax.data.make_train_dataset(config.task, config.seed)``).
 
     Raises:
       FileNotFoundError / ValueError: bad model source, unknown reward, bad config values.
@@ -92,7 +92,7 @@ class RLTrainer:
             self.optimizer.loss_scale = LossScaleState(ls["scale"])
             self.optimizer.loss_scale_good_steps = LossScaleState(ls["good_steps"])
         self._checkpoint_hooks: dict[str, tuple[Any, Any]] = {}
-        self.dataset = dataset if dataset is not None else chain_sum_dataset(task=config.task, seed=config.seed)
+        self.dataset = dataset if dataset is not None else make_train_dataset(config.task, config.seed)
         self.batches = self.dataset.iterate_batches(config.prompts_per_step, seed=config.seed)
         self.pad_id = int(self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0)
         self.eos_ids = tuple(self.tokenizer.eos_token_ids) or model_cfg.eos_token_ids
@@ -448,6 +448,7 @@ class RLTrainer:
             "reward/mean": float(rewards.mean()),
             "reward/std": float(rewards.std()),
             "response_length/mean": float(lengths.mean()),
+            "prompt_length/mean": float(np.mean([len(p) for p in rb.prompt_token_ids])),
             "response_length/clip_ratio": float(np.mean([r == "length" for r in rb.finish_reason])),
         }
         out.update({k: float(v) for k, v in corr.items()})
