@@ -1,6 +1,6 @@
 #!/bin/bash
 # Experiment 1, small (CPU): FP8 rollout with token TIS vs FP8 without TIS vs bf16 rollout, 3 seeds each,
-# configs/paper/exp1_dense_w8a8_small.gin (12 steps; ~6 min and ~9 GB RAM per run on 2 cores, one at a time).
+# configs/paper/exp1_dense_w8a8_small.gin (12 steps; ~4 min and ~9 GB RAM per run on 2 cores, one at a time).
 #   PYTHON=.venv/bin/python bash benchmarks/run_exp1_small.sh [OUT=runs/exp1_small] [RUN ...]
 # RUN is cond:seed with cond in fp8_tis, fp8_notis, bf16 (default: all nine). Then:
 #   python benchmarks/summarize_exp1_small.py OUT benchmarks/results/exp1_small_cpu
