@@ -306,6 +306,10 @@ class TrainerActor:
         """RL steps done."""
         return int(self.trainer.step_count)
 
+    def close(self) -> None:
+        """Release the weight transport (unlinks the shared-memory segments; drops the broadcast group)."""
+        self.client.close()
+
     def sync_stats(self) -> dict:
         """The last sync's :class:`~rollout_bridge.transports.SyncStats` as a dict."""
         return dataclasses.asdict(self.client.last_sync) if self.client.last_sync else {}
@@ -352,10 +356,15 @@ class RayJob:
     placement_group: Any
 
     def shutdown(self) -> None:
-        """Kill the actors and remove the placement group (the Ray cluster stays up)."""
+        """Release the trainer's transport, kill the actors and remove the placement group (the Ray cluster stays
+        up). Killing the trainer first would leave its shared-memory segments in /dev/shm."""
         import ray
         from ray.util.placement_group import remove_placement_group
 
+        try:
+            ray.get(self.trainer.close.remote(), timeout=60)
+        except Exception:  # noqa: BLE001 - a dead trainer has nothing left to release
+            pass
         for a in [self.trainer, *self.rollout]:
             try:
                 ray.kill(a)

@@ -38,6 +38,9 @@ def test_trainer_and_rollout_actor_two_steps(tiny_dir, tmp_path, tmp_path_factor
     cfg = TrainConfig(output_dir=str(tmp_path / "run"), model=tiny_dir, num_steps=2, prompts_per_step=2,
                       samples_per_prompt=2, max_tokens=4, rollout_precision="fp8", learning_rate=1e-2,
                       checkpoint_every=0, plots=False, progress_bar=False)
+    import glob
+
+    segments_before = set(glob.glob("/dev/shm/fp8rl_*"))
     try:
         job = start(cfg, num_rollout_actors=1, rollout_engine="jax", transport="shm",
                     ray_init_kwargs=dict(num_cpus=2, _temp_dir=temp_dir, include_dashboard=False))
@@ -62,6 +65,7 @@ def test_trainer_and_rollout_actor_two_steps(tiny_dir, tmp_path, tmp_path_factor
         assert ray.get(job.trainer.step_count.remote()) == 2
         assert ray.get(job.trainer.export_digest.remote()) == want
         job.shutdown()
+        assert set(glob.glob("/dev/shm/fp8rl_*")) == segments_before  # the trainer's segments were unlinked
     finally:
         ray.shutdown()
     assert os.path.exists(home_token) == had_home_token
