@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -33,6 +32,8 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import cpu_model  # noqa: E402
 from fp8rl_jax.fp8 import quantize_weights_batched  # noqa: E402
 from fp8rl_jax.fp8.pallas_quant import gpu_lowering_available  # noqa: E402
 
@@ -51,16 +52,7 @@ def device_info():
     info = {"platform": dev.platform, "device_kind": dev.device_kind, "jax": jax.__version__,
             "backend_devices": len(jax.devices())}
     if dev.platform == "cpu":
-        model = platform.processor() or "cpu"
-        try:
-            with open("/proc/cpuinfo") as f:
-                for line in f:
-                    if line.startswith("model name"):
-                        model = line.split(":", 1)[1].strip()
-                        break
-        except OSError:
-            pass
-        info.update(cpu_model=model, cpu_count=os.cpu_count())
+        info.update(cpu_model=cpu_model(), cpu_count=os.cpu_count())
     return info
 
 

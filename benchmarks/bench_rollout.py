@@ -40,33 +40,15 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+from _common import QWEN3, cpu_description, qwen3_config, random_param_groups  # noqa: E402
+
 PRECISIONS = ("bf16", "fp8", "fp8_kv", "float32")
-QWEN3 = {
-    "0.6b": dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
-                 num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True),
-    "8b": dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
-               num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=False),
-    "30b-a3b": dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,
-                    num_attention_heads=32, num_key_value_heads=4, head_dim=128, tie_word_embeddings=False,
-                    model_type="qwen3_moe", num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768),
-}
-
-
-def model_config(size: str):
-    """ModelConfig of a random Qwen3-shaped model (HF Qwen3-0.6B / Qwen3-8B / Qwen3-30B-A3B config values)."""
-    from fp8rl_jax.models.config import ModelConfig
-
-    kw = dict(QWEN3[size])
-    return ModelConfig(model_type=kw.pop("model_type", "qwen3"), eos_token_id=1, pad_token_id=0, **kw)
-
-
 def load_model_and_prompts(size: str, batch: int, prompt_len: int, seed: int = 0):
     """(config, {hf_name: bf16 array}, prompts as lists of ids [batch], pad id) for one model."""
-    import jax
     import jax.numpy as jnp
     import numpy as np
-
-    from fp8rl_jax.models.config import hf_param_shapes
 
     if size == "135m":
         from fp8rl_jax.data import chain_sum_dataset
@@ -77,10 +59,8 @@ def load_model_and_prompts(size: str, batch: int, prompt_len: int, seed: int = 0
         items = next(iter(chain_sum_dataset(seed=seed).iterate_batches(batch, seed=seed)))
         prompts = [tok.encode(tok.apply_chat_template(it.messages, add_generation_prompt=True)) for it in items]
         return cfg, {k: jnp.asarray(v, jnp.bfloat16) for k, v in params.items()}, prompts, int(tok.pad_token_id or 0)
-    cfg = model_config(size)
-    key = jax.random.key(seed)
-    params = {name: (0.02 * jax.random.normal(jax.random.fold_in(key, i), shape, jnp.float32)).astype(jnp.bfloat16)
-              for i, (name, shape) in enumerate(sorted(hf_param_shapes(cfg).items()))}
+    cfg = qwen3_config(size)
+    params = {k: v for group in random_param_groups(cfg, seed) for k, v in group.items()}
     rng = np.random.default_rng(seed)
     prompts = [list(map(int, rng.integers(2, cfg.vocab_size, prompt_len))) for _ in range(batch)]
     return cfg, params, prompts, 0
@@ -191,7 +171,7 @@ def memory_table() -> list[dict]:
 
     out = []
     cfgs = {"135m": load_checkpoint("smollm2-135m-instruct")[0]}
-    cfgs.update({k: model_config(k) for k in QWEN3})
+    cfgs.update({k: qwen3_config(k) for k in QWEN3})
     for name, cfg in cfgs.items():
         bf16 = fp8 = 0
         for hf, shape in hf_param_shapes(cfg).items():
@@ -213,15 +193,7 @@ def _device():
     import jax
 
     d = jax.devices()[0]
-    if d.platform == "cpu":
-        name = "cpu"
-        try:
-            with open("/proc/cpuinfo") as f:
-                name = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "cpu")
-        except OSError:
-            pass
-        return "cpu", f"{name}, {os.cpu_count()} cores"
-    return d.platform, d.device_kind
+    return ("cpu", cpu_description()) if d.platform == "cpu" else (d.platform, d.device_kind)
 
 
 def main(argv=None):

@@ -25,13 +25,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
 import tempfile
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _common import cpu_description  # noqa: E402
+
 PHASES = ("rollout_s", "reward_s", "old_logprobs_s", "train_s", "sync_s", "step_s")
 VARIANTS = {
     "bf16": ["--gin_param=train.rollout_precision='bf16'"],
@@ -115,13 +118,7 @@ def _device() -> str:
             return "GPU: " + out.stdout.strip().splitlines()[0]
     except (OSError, subprocess.TimeoutExpired):
         pass
-    name = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            name = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), name)
-    except OSError:
-        pass
-    return f"CPU: {name}, {os.cpu_count()} cores"
+    return f"CPU: {cpu_description()}"
 
 
 if __name__ == "__main__":

@@ -39,24 +39,18 @@ import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from fp8rl_jax.export import export_weights  # noqa: E402
-from fp8rl_jax.models.config import ModelConfig, hf_param_shapes  # noqa: E402
+from fp8rl_jax.models.config import hf_param_shapes  # noqa: E402
 from rollout_bridge.dlpack import jax_to_torch  # noqa: E402
+from _common import cpu_model, qwen3_config, random_param_groups  # noqa: E402
 from rollout_bridge.transports import (InProcessTransport, SharedMemoryTransport, TorchDistributedTransport,  # noqa: E402
                                        WeightReceiverMixin, order_by_layer)
-
-QWEN3 = {
-    "0.6b": dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
-                 num_attention_heads=16, num_key_value_heads=8, head_dim=128),
-    "8b": dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
-               num_attention_heads=32, num_key_value_heads=8, head_dim=128),
-}
-
 
 class CopyReceiver(WeightReceiverMixin):
     """Receiver that copies every tensor into preallocated 'parameters' (stands in for vLLM's reload copy)."""
@@ -139,11 +133,6 @@ class ProcessReceiver:
         self.proc.join(30)
 
 
-def _layer_of(name: str) -> str:
-    parts = name.split(".")
-    return parts[2] if len(parts) > 2 and parts[1] == "layers" else "-"
-
-
 def exported_weights(size: str):
     """(config, ExportedWeights) as the trainer exports them each step (FP8 blockwise).
 
@@ -158,16 +147,9 @@ def exported_weights(size: str):
 
         cfg, params = load_checkpoint("smollm2-135m-instruct")
         return cfg, export_weights({k: jnp.asarray(v, jnp.bfloat16) for k, v in params.items()}, "fp8_blockwise")
-    cfg = ModelConfig(model_type="qwen3", eos_token_id=1, pad_token_id=0, tie_word_embeddings=size == "0.6b",
-                      **QWEN3[size])
-    key = jax.random.key(0)
-    groups: dict[str, list] = {}
-    for i, (name, shape) in enumerate(sorted(hf_param_shapes(cfg).items())):
-        groups.setdefault(_layer_of(name), []).append((i, name, shape))
+    cfg = qwen3_config(size)
     tensors, first = {}, None
-    for members in groups.values():
-        params = {name: (0.02 * jax.random.normal(jax.random.fold_in(key, i), shape, jnp.float32)).astype(jnp.bfloat16)
-                  for i, name, shape in members}
+    for params in random_param_groups(cfg):
         first = export_weights(params, "fp8_blockwise")
         tensors.update(jax.block_until_ready(first.tensors))
         del params
@@ -250,14 +232,14 @@ def main(argv=None):
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu":
         torch.set_num_threads(1)  # the receivers' copies run single-threaded, as vLLM-CPU serves
-    name = torch.cuda.get_device_name() if device == "cuda" else _cpu_name()
+    name = torch.cuda.get_device_name() if device == "cuda" else cpu_model()
     if args._size:  # child: one size, in a fresh process
         row = bench_size(args._size, args.repeats, args.vllm and (args._size == "135m" or device == "cuda"), device)
         print("ROW " + json.dumps(row), flush=True)
         return
     rows = []
     for size in args.sizes.split(","):
-        if size not in ("135m", *QWEN3):
+        if size not in ("135m", "0.6b", "8b"):
             raise SystemExit(f"unknown size {size!r}; expected 135m, 0.6b or 8b")
         # each size in its own process: an 8B run needs its ~2x payload of host memory without the smaller
         # sizes' (and their vLLM engine's) leftovers
@@ -302,17 +284,6 @@ def _mem_available_bytes() -> int | None:
     except OSError:
         pass
     return None
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "cpu"
 
 
 if __name__ == "__main__":

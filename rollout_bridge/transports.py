@@ -115,6 +115,14 @@ def fill_buckets(buckets, tensors: dict[str, Any], entries: Sequence[TensorEntry
         copy_bytes(buckets[e.bucket][e.offset:e.offset + e.nbytes], _as_bytes(tensors[e.name]))
 
 
+def entries_by_bucket(entries: Sequence[TensorEntry], num_buckets: int) -> list[list[TensorEntry]]:
+    """``entries`` split per bucket index (``[bucket] -> [TensorEntry, ...]``, order kept)."""
+    out: list[list[TensorEntry]] = [[] for _ in range(num_buckets)]
+    for e in entries:
+        out[e.bucket].append(e)
+    return out
+
+
 def unpack_buckets(buckets, entries: Sequence[TensorEntry]) -> list[tuple[str, Any]]:
     """Views ``[(name, tensor)]`` into the buckets (indexed by bucket number: a list or a dict; no copy), with the
     dtypes and shapes of ``entries``."""
@@ -250,9 +258,7 @@ class BucketStream:
 
     def __init__(self, group, sizes: Sequence[int], entries: Sequence[TensorEntry], device: str):
         self.group, self.sizes, self.device = group, [int(n) for n in sizes], device
-        self.by_bucket: list[list[TensorEntry]] = [[] for _ in self.sizes]
-        for e in entries:
-            self.by_bucket[e.bucket].append(e)
+        self.by_bucket = entries_by_bucket(entries, len(self.sizes))
         self.received = 0
 
     def __iter__(self):
@@ -557,9 +563,7 @@ class TorchDistributedTransport(Transport):
                 self._buckets = None
                 if self._stream_buf is None or self._stream_buf.numel() < max(sizes):
                     self._stream_buf = torch.empty(max(sizes), dtype=torch.uint8, device=device)
-                by_bucket: list[list[TensorEntry]] = [[] for _ in sizes]
-                for e in entries:
-                    by_bucket[e.bucket].append(e)
+                by_bucket = entries_by_bucket(entries, len(sizes))
                 for k, n in enumerate(sizes):
                     view = self._stream_buf[:n]
                     fill_buckets({k: view}, tensors, by_bucket[k])

@@ -36,7 +36,7 @@ import jax
 import numpy as np
 
 from fp8rl_jax.models.config import ModelConfig, hf_param_shapes
-from fp8rl_jax.rollout.types import ExportedWeights, RolloutBatch, SamplingParams
+from fp8rl_jax.rollout.types import ExportedWeights, RolloutBatch, SamplingParams, check_prompt_token_ids
 from rollout_bridge.dlpack import KV_SCALE_RE, jax_to_torch, vllm_tensors
 from rollout_bridge.transports import (SyncStats, ThreadReceiver, Transport, WeightSyncError, make_transport,
                                        order_by_layer)
@@ -300,16 +300,6 @@ class VllmRolloutEngine:
             raise StaleWeightsError(f"engine weights are version {self.weights_version}, trainer expects "
                                     f"{expected_version}: call update_weights first")
 
-    def _prompts(self, prompt_token_ids) -> list[list[int]]:
-        prompts = [[int(t) for t in p] for p in prompt_token_ids]
-        if not prompts or any(len(p) == 0 for p in prompts):
-            raise ValueError("generate: every prompt needs at least one token")
-        flat = np.concatenate([np.asarray(p) for p in prompts])
-        if flat.min() < 0 or flat.max() >= self.config.vocab_size:
-            raise ValueError(f"generate: token ids must be in [0, {self.config.vocab_size}), "
-                             f"got range [{flat.min()}, {flat.max()}]")
-        return prompts
-
     def generate(self, prompt_token_ids: Sequence[Sequence[int]], sampling_params: SamplingParams,
                  expected_version: int | None = None) -> RolloutBatch:
         """Sample ``n`` completions per prompt with vLLM (shapes and masks as :class:`RolloutBatch`).
@@ -326,7 +316,7 @@ class VllmRolloutEngine:
 
         self._check_usable(expected_version)
         sp = sampling_params
-        prompts = self._prompts(prompt_token_ids)
+        prompts = check_prompt_token_ids(prompt_token_ids, self.config.vocab_size)
         stop = sorted(set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(self.eos_token_ids)))
         base = sp.seed if sp.seed is not None else int(self._rng.integers(2**31))
         seeds = np.random.SeedSequence([int(base) & 0xFFFFFFFF]).generate_state(len(prompts))
@@ -362,7 +352,8 @@ class VllmRolloutEngine:
 
         self._check_usable(None)
         sp = self._vllm.SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0, detokenize=False)
-        seqs = [list(p) + list(c) for p, c in zip(self._prompts(prompt_token_ids), continuation_ids)]
+        prompts = check_prompt_token_ids(prompt_token_ids, self.config.vocab_size)
+        seqs = [p + list(c) for p, c in zip(prompts, continuation_ids)]
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=s) for s in seqs], sp, use_tqdm=False)
         res = []
         for out, p, c in zip(outs, prompt_token_ids, continuation_ids):

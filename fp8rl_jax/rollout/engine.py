@@ -34,7 +34,7 @@ from fp8rl_jax.models.config import ModelConfig
 from fp8rl_jax.models.decoder import KVCache, left_pad, param_name, positions_from_mask
 from fp8rl_jax.models.loading import build_model
 from fp8rl_jax.rollout.sampling import sample_tokens
-from fp8rl_jax.rollout.types import ExportedWeights, RolloutBatch, SamplingParams
+from fp8rl_jax.rollout.types import ExportedWeights, RolloutBatch, SamplingParams, check_prompt_token_ids
 
 ENGINE_PRECISIONS = {"fp8": ("fp8", "bfloat16", "fp8_blockwise"), "bf16": ("dense", "bfloat16", "bf16"),
                      "float32": ("dense", "float32", "float32")}
@@ -212,13 +212,7 @@ class JaxRolloutEngine:
                 f"fp8_e4m3 KV cache: k_scale/v_scale are {have} but the weights are version {self.weights_version}; "
                 "export recalibrated scales with the weights (model.layers.{i}.self_attn.k_scale/v_scale)")
         sp = sampling_params
-        prompts = [list(p) for p in prompt_token_ids]
-        if not prompts or any(len(r) == 0 for r in prompts):
-            raise ValueError("generate: every prompt needs at least one token")
-        flat = np.concatenate([np.asarray(r) for r in prompts])
-        if flat.min() < 0 or flat.max() >= self.config.vocab_size:
-            raise ValueError(f"generate: token ids must be in [0, {self.config.vocab_size}), "
-                             f"got range [{flat.min()}, {flat.max()}]")
+        prompts = check_prompt_token_ids(prompt_token_ids, self.config.vocab_size)
         rows = [r for r in prompts for _ in range(sp.n)]
         b = len(rows)
         # Each prompt is prefilled once and its KV cache shared by its n samples (as vLLM's prefix cache).

@@ -12,6 +12,28 @@ from typing import Any, Protocol, Sequence, runtime_checkable
 import numpy as np
 
 
+def check_prompt_token_ids(prompt_token_ids: Sequence[Sequence[int]], vocab_size: int) -> list[list[int]]:
+    """Validate a rollout request's prompts and return them as lists of Python ints.
+
+    Args:
+      prompt_token_ids: one sequence of token ids per prompt (any int-like values).
+      vocab_size: the model's vocabulary size.
+
+    Returns:
+      ``[[int, ...], ...]``, one list per prompt.
+
+    Raises:
+      ValueError: no prompts, an empty prompt, or an id outside ``[0, vocab_size)`` (the range is named).
+    """
+    prompts = [[int(t) for t in p] for p in prompt_token_ids]
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("generate: every prompt needs at least one token")
+    flat = np.concatenate([np.asarray(p) for p in prompts])
+    if flat.min() < 0 or flat.max() >= vocab_size:
+        raise ValueError(f"generate: token ids must be in [0, {vocab_size}), got range [{flat.min()}, {flat.max()}]")
+    return prompts
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
     """How to sample completions (vLLM names and meanings).

@@ -1,0 +1,69 @@
+"""Pieces the benchmark scripts share: the CPU's name, Qwen3 model shapes, and their random bf16 weights."""
+
+from __future__ import annotations
+
+import os
+import platform
+from typing import Iterator
+
+#: HF config values of the Qwen3 models the benchmarks use at real shape with random weights.
+QWEN3 = {
+    "0.6b": dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                 num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True),
+    "8b": dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+               num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=False),
+    "30b-a3b": dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,
+                    num_attention_heads=32, num_key_value_heads=4, head_dim=128, tie_word_embeddings=False,
+                    model_type="qwen3_moe", num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768),
+}
+
+
+def cpu_model() -> str:
+    """The CPU's marketing name from /proc/cpuinfo (``platform.processor()`` or ``"cpu"`` where unavailable)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "cpu"
+
+
+def cpu_description() -> str:
+    """``"<cpu model>, <n> cores"`` for result files."""
+    return f"{cpu_model()}, {os.cpu_count()} cores"
+
+
+def qwen3_config(size: str):
+    """:class:`fp8rl_jax.models.config.ModelConfig` of a Qwen3-shaped model (a key of ``QWEN3``).
+
+    Raises:
+      KeyError: unknown size.
+    """
+    from fp8rl_jax.models.config import ModelConfig
+
+    kw = dict(QWEN3[size])
+    return ModelConfig(model_type=kw.pop("model_type", "qwen3"), eos_token_id=1, pad_token_id=0, **kw)
+
+
+def random_param_groups(cfg, seed: int = 0) -> Iterator[dict]:
+    """Random bf16 weights ``0.02 * N(0, 1)`` of ``cfg``'s HF parameters, one dict per decoder layer (plus one for
+    the tensors outside the layers), so a large model can be processed without all its weights existing at once.
+    Tensor ``i`` of the sorted names is drawn from ``fold_in(key(seed), i)``: the same values however grouped."""
+    import jax
+    import jax.numpy as jnp
+
+    from fp8rl_jax.models.config import hf_param_shapes
+
+    def layer_of(name: str) -> str:
+        parts = name.split(".")
+        return parts[2] if len(parts) > 2 and parts[1] == "layers" else "-"
+
+    key = jax.random.key(seed)
+    groups: dict[str, list] = {}
+    for i, (name, shape) in enumerate(sorted(hf_param_shapes(cfg).items())):
+        groups.setdefault(layer_of(name), []).append((i, name, shape))
+    for members in groups.values():
+        yield {name: (0.02 * jax.random.normal(jax.random.fold_in(key, i), shape, jnp.float32)).astype(jnp.bfloat16)
+               for i, name, shape in members}
