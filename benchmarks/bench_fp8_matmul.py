@@ -14,6 +14,8 @@ Timed per shape and M (median of repeats, after a compile/warm-up call):
 * on CPU also ``dequant_then_bf16``: the naive CPU FP8 path the issue compares with -- dequantize the
   pre-quantized weight to bfloat16, then a bfloat16 matmul (activations not quantized); on GPU also ``fp8_blocked`` (per-K-block real e4m3
   ``lax.dot_general``) and ``fp8_tensor`` (per-tensor scales, one real e4m3 GEMM).
+* on GPU, for M >= 1024, ``gemm_<bm>x128_w<warps>_s<stages>``: the Pallas GEMM alone on pre-quantized operands
+  for each tile config of ``--tiles`` (the GEMM's default tile is untuned; the best config is reported).
 
 TFLOP/s = 2 M N K / time. ``speedup`` = fp8_w8a8 TFLOP/s / bf16 TFLOP/s.
 
@@ -39,6 +41,8 @@ from bench_quant import device_info, timeit, write_results  # noqa: E402
 
 from fp8rl_jax.fp8 import (dequantize_weight_blockwise, make_fp8_dot_general, quantize_weight_blockwise,  # noqa: E402
                            w8a8_block_matmul)
+from fp8rl_jax.fp8.pallas_gemm import pallas_w8a8_matmul  # noqa: E402
+from fp8rl_jax.fp8.quant import quantize_activation_groupwise  # noqa: E402
 from fp8rl_jax.fp8.pallas_quant import gpu_lowering_available  # noqa: E402
 
 QWEN3_8B_FUSED = {"qkv_proj": (6144, 4096), "o_proj": (4096, 4096), "gate_up_proj": (24576, 4096),
@@ -46,7 +50,21 @@ QWEN3_8B_FUSED = {"qkv_proj": (6144, 4096), "o_proj": (4096, 4096), "gate_up_pro
 DN = (((1,), (0,)), ((), ()))
 
 
-def bench_one(m, n, k, gpu, repeats):
+DEFAULT_TILES = "64:4:3,128:4:3,128:8:3,128:8:4"  # bm:num_warps:num_stages (bn = 128)
+
+
+def parse_tiles(spec):
+    """``"bm:warps:stages,..."`` -> ``[(bm, warps, stages), ...]``; raises ``ValueError`` on a malformed entry."""
+    tiles = []
+    for item in filter(None, spec.split(",")):
+        parts = item.split(":")
+        if len(parts) != 3 or not all(p.isdigit() for p in parts):
+            raise ValueError(f"--tiles entry {item!r} is not bm:num_warps:num_stages")
+        tiles.append(tuple(int(p) for p in parts))
+    return tiles
+
+
+def bench_one(m, n, k, gpu, repeats, tiles=()):
     kx, kw = jax.random.split(jax.random.key(m * 7 + n + k))
     x = jax.random.normal(kx, (m, k), jnp.bfloat16)
     w = (jax.random.normal(kw, (k, n), jnp.float32) * 0.02).astype(jnp.bfloat16)  # [K, N] (nnx layout)
@@ -63,6 +81,12 @@ def bench_one(m, n, k, gpu, repeats):
                               (x, wq, ws))
         tensor_dg = make_fp8_dot_general(scaling="tensor", impl="blocked")
         fns["fp8_tensor"] = (jax.jit(lambda a, b: tensor_dg(a, b, DN, preferred_element_type=jnp.float32)), (x, w))
+        if m >= 1024:
+            xq, xs = quantize_activation_groupwise(x, check=False)
+            for bm, warps, stages in tiles:
+                gemm = jax.jit(lambda a, sa, q, s, bm=bm, warps=warps, stages=stages: pallas_w8a8_matmul(
+                    a, sa, q, s, bm=bm, bn=128, num_warps=warps, num_stages=stages))
+                fns[f"gemm_{bm}x128_w{warps}_s{stages}"] = (gemm, (xq, xs, wq, ws))
     else:
         def dequant_then_bf16(a, q, s):
             wd = dequantize_weight_blockwise(q, s, out_dtype=jnp.bfloat16)
@@ -82,7 +106,10 @@ def main(argv=None):
     p.add_argument("--shapes", default=None, help=f"comma-separated subset of {list(QWEN3_8B_FUSED)}")
     p.add_argument("--quick", action="store_true", help="CPU-sized run")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--tiles", default=DEFAULT_TILES,
+                   help="GPU, M >= 1024: Pallas GEMM tile configs bm:num_warps:num_stages to time (bn = 128)")
     args = p.parse_args(argv)
+    tiles = parse_tiles(args.tiles)
     ms = [int(v) for v in args.m.split(",")] if args.m else ([1, 64, 256] if args.quick else [1, 64, 4096])
     names = args.shapes.split(",") if args.shapes else list(QWEN3_8B_FUSED)
     gpu = gpu_lowering_available()
@@ -92,14 +119,21 @@ def main(argv=None):
     for name in names:
         n, k = QWEN3_8B_FUSED[name]
         for m in ms:
-            r = bench_one(m, n, k, gpu, args.repeats)
+            r = bench_one(m, n, k, gpu, args.repeats, tiles)
             row = {"shape": name, "M": m, "N": n, "K": k, **r,
                    "speedup_w8a8_vs_bf16": r["fp8_w8a8"]["TFLOPs"] / r["bf16"]["TFLOPs"]}
+            gemms = {key: v for key, v in r.items() if key.startswith("gemm_")}
+            if gemms:
+                best = max(gemms, key=lambda key: gemms[key]["TFLOPs"])
+                row["best_gemm_tile"] = best
+                row["speedup_best_gemm_vs_bf16"] = gemms[best]["TFLOPs"] / r["bf16"]["TFLOPs"]
             if "dequant_then_bf16" in r:
                 row["speedup_w8a8_vs_dequant_then_bf16"] = r["fp8_w8a8"]["TFLOPs"] / r["dequant_then_bf16"]["TFLOPs"]
             rows.append(row)
             cols = "  ".join(f"{key} {v['TFLOPs']:.4f} TF/s ({v['ms']:.2f} ms)" for key, v in r.items())
-            print(f"{name:>13} M={m:<5} {cols}  w8a8/bf16 {row['speedup_w8a8_vs_bf16']:.2f}x", flush=True)
+            best = (f"  best GEMM tile {row['best_gemm_tile']}: {row['speedup_best_gemm_vs_bf16']:.2f}x bf16"
+                    if "best_gemm_tile" in row else "")
+            print(f"{name:>13} M={m:<5} {cols}  w8a8/bf16 {row['speedup_w8a8_vs_bf16']:.2f}x{best}", flush=True)
     impls = [key for key, v in rows[0].items() if isinstance(v, dict)]
     impls = [i for i in ["bf16", "fp8_w8a8", "dequant_then_bf16", "fp8_dot_general", "fp8_blocked", "fp8_tensor"]
              if i in impls]
@@ -115,6 +149,9 @@ def main(argv=None):
         extra = f" {r['speedup_w8a8_vs_dequant_then_bf16']:.2f} |" if not gpu else ""
         md.append(f"| {r['shape']} ({r['N']}, {r['K']}) | {r['M']} | "
                   + " | ".join(f"{r[i]['TFLOPs']:.4f}" for i in impls) + f" | {r['speedup_w8a8_vs_bf16']:.2f} |" + extra)
+    md += ["", "Pallas GEMM alone (pre-quantized operands), best tile per shape at M >= 1024:"] + [
+        f"- {r['shape']} M={r['M']}: {r['best_gemm_tile']} {r['speedup_best_gemm_vs_bf16']:.2f}x bf16"
+        for r in rows if "best_gemm_tile" in r] if any("best_gemm_tile" in r for r in rows) else []
     base = write_results("fp8_matmul", payload, md)
     print(f"wrote {base}.json and {base}.md")
 

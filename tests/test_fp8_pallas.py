@@ -1,10 +1,15 @@
-"""The Pallas quantization kernels equal the jnp reference bit for bit (interpret mode on CPU)."""
+"""The Pallas quantization kernels equal the jnp reference bit for bit (interpret mode on CPU) and lower to
+exact Triton IR for CUDA (checked without a GPU)."""
 
+import re
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from fp8rl_jax.fp8 import formats, quant
+from fp8rl_jax.fp8.pallas_gemm import pallas_w8a8_matmul
 from fp8rl_jax.fp8.pallas_quant import (gpu_lowering_available, pallas_quantize_activation_groupwise,
                                         pallas_quantize_weight_blockwise)
 
@@ -55,3 +60,135 @@ def test_backend_detection_on_this_machine():
     import jax
 
     assert gpu_lowering_available() == (jax.default_backend() == "gpu")
+
+
+# --------------------------------------------------------------------------------------------------------
+# GPU lowering, checked on any machine: the kernels are lowered for CUDA (sm_90) and the Triton IR they
+# produce is read back. What runs on a Hopper GPU is this IR compiled by Triton; compiling it and timing it
+# need a GPU (benchmarks/bench_quant.py, bench_fp8_matmul.py).
+
+S = jax.ShapeDtypeStruct
+
+
+def _lower_for_cuda(fn, *args):
+    """``(stablehlo text, [Triton module text per pallas_call])`` of ``jit(fn)`` lowered for CUDA.
+
+    Uses JAX's cross-platform lowering (``lowering_platforms=("cuda",)``, which needs no GPU); each Pallas
+    kernel is a ``__gpu$xla.gpu.triton`` custom call whose backend config holds the Triton module as MLIR
+    bytecode, parsed back here with jaxlib's Triton dialect.
+    """
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.triton import dialect as tt_dialect
+
+    module = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).compiler_ir("stablehlo")
+    calls = []
+
+    def walk(op):
+        for region in op.regions:
+            for block in region.blocks:
+                for inner in block.operations:
+                    if inner.operation.name == "stablehlo.custom_call":
+                        calls.append(inner.operation)
+                    walk(inner.operation)
+
+    walk(module.operation)
+    kernels = []
+    for call in calls:
+        if "triton" not in ir.StringAttr(call.attributes["call_target_name"]).value:
+            continue
+        raw = ir.StringAttr(ir.DictAttr(call.attributes["mhlo.backend_config"])["ir"]).value_bytes
+        with ir.Context() as ctx:
+            tt_dialect.register_dialect(ctx)
+            kernels.append(str(ir.Module.parse(raw)))
+    return str(module), kernels
+
+
+def _assert_exact_quant_ir(ir_text, *, divisions):
+    # Triton's float '/' is the approximate div.full.f32: every division must be the PTX div.rn.f32 asm.
+    assert "arith.divf" not in ir_text
+    assert ir_text.count('"div.rn.f32 $0, $1, $2;"') == divisions
+    # NaN is mapped to +inf before the NaN-ignoring maxnumf reductions (so a NaN block gets an inf scale).
+    assert "arith.cmpf une" in ir_text and "arith.maxnumf" in ir_text
+    # The e4m3 cast is Triton's round-to-nearest-even convert (cvt.rn.satfinite.e4m3x2.f32 on sm_90).
+    assert re.search(r"tt\.fp_to_fp %\w+, rounding = rtne : tensor<\d+x\d+xf32> -> tensor<\d+x\d+xf8E4M3FN>",
+                     ir_text)
+    assert "log2" not in ir_text  # UE8M0 is integer bit arithmetic, not an approximate log2
+
+
+@pytest.mark.parametrize("ue8m0", [False, True])
+def test_weight_kernel_lowers_to_triton_for_cuda(ue8m0):
+    """One pallas_call for a whole [L, N, K] stack, grid (L, N/128, K/128), exact-division Triton IR."""
+    hlo, kernels = _lower_for_cuda(
+        lambda w: pallas_quantize_weight_blockwise(w, 128, ue8m0, interpret=False, check=False),
+        S((3, 256, 384), jnp.bfloat16))
+    assert len(kernels) == 1 and hlo.count("__gpu$xla.gpu.triton") == 1
+    assert "grid_x = 3 : i32, grid_y = 2 : i32, grid_z = 3 : i32" in hlo
+    # VLLM_BLOCK_CAST: s = max(amax, 1e-4) / 448 and one reciprocal 1 / s per block.
+    _assert_exact_quant_ir(kernels[0], divisions=2)
+    assert "tensor<128x128xbf16>" in kernels[0]
+
+
+@pytest.mark.parametrize("recipe,divisions", [(formats.VLLM_GROUP_NATIVE, 2), (formats.VLLM_GROUP_TRITON, 1)],
+                         ids=["native", "triton"])
+def test_activation_kernel_lowers_to_triton_for_cuda(recipe, divisions):
+    """1 x 128 groups: native = amax / 448 then x / s; Triton recipe = amax * fp32(1/448) then x / s."""
+    _, kernels = _lower_for_cuda(
+        lambda x: pallas_quantize_activation_groupwise(x, 128, recipe=recipe, interpret=False, check=False),
+        S((64, 512), jnp.bfloat16))
+    assert len(kernels) == 1
+    _assert_exact_quant_ir(kernels[0], divisions=divisions)
+
+
+@pytest.mark.parametrize("bm,warps,stages", [(None, 4, 3), (128, 8, 4)])  # default tile; a bench_fp8_matmul tile
+def test_w8a8_gemm_lowers_to_fp8_tt_dot_for_cuda(bm, warps, stages):
+    """The fused GEMM is a K loop of e4m3 x e4m3 -> f32 tt.dot (Hopper FP8 tensor cores), scales in f32."""
+    e4m3 = jnp.float8_e4m3fn
+    hlo, kernels = _lower_for_cuda(
+        lambda xq, xs, wq, ws: pallas_w8a8_matmul(xq, xs, wq, ws, bm=bm, num_warps=warps, num_stages=stages,
+                                                  interpret=False),
+        S((256, 512), e4m3), S((256, 4), jnp.float32), S((256, 512), e4m3), S((2, 4), jnp.float32))
+    assert len(kernels) == 1
+    assert f"num_stages = {stages} : i32, num_warps = {warps} : i32" in hlo
+    ir_text = kernels[0]
+    assert "scf.for" in ir_text
+    dots = re.findall(r"tt\.dot .*: tensor<(\d+)x128xf8E4M3FN> \* tensor<128x(\d+)xf8E4M3FN> -> tensor<\d+x\d+xf32>",
+                      ir_text)
+    assert dots == [(str(bm or 64), "128")]
+
+
+def test_fp8_linear_lowers_to_real_fp8_ops_for_cuda(monkeypatch):
+    """An ``nnx.Linear`` with the FP8 dot_general, lowered for CUDA: impl="pallas" runs the Triton FP8 GEMM;
+    impl="blocked" hands XLA a dot_general on e4m3 operands with an f32 result (cuBLASLt FP8 on Hopper)."""
+    from flax import nnx
+
+    from fp8rl_jax.fp8 import dot_general as dg
+    from fp8rl_jax.fp8 import pallas_quant
+
+    # Kernels pick interpret mode from the default backend at trace time; make it look like a CUDA GPU.
+    monkeypatch.setattr(pallas_quant, "gpu_lowering_available", lambda: True)
+
+    x = S((64, 256), jnp.bfloat16)
+    for impl in ("pallas", "blocked"):
+        layer = nnx.Linear(256, 384, dot_general=dg.make_fp8_dot_general(impl=impl), dtype=jnp.bfloat16,
+                           param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+        graph, state = nnx.split(layer)
+        hlo, kernels = _lower_for_cuda(lambda st, xx: nnx.merge(graph, st)(xx), state, x)
+        if impl == "pallas":
+            assert len(kernels) == 1 and "tt.dot" in kernels[0] and "xf8E4M3FN>" in kernels[0]
+        else:
+            assert not kernels
+            assert re.search(r"stablehlo\.dot_general .*tensor<[\dx]+xf8E4M3FN>, tensor<[\dx]+xf8E4M3FN>\) -> "
+                             r"tensor<[\dx]+xf32>", hlo)
+
+
+def test_batched_export_is_one_triton_launch_per_weight_shape_on_cuda(monkeypatch):
+    """quantize_weights_batched on a GPU: 2 layers x {q, k, v, o} (3 distinct shapes) -> 3 Triton launches."""
+    from fp8rl_jax.fp8 import pallas_quant
+
+    monkeypatch.setattr(pallas_quant, "gpu_lowering_available", lambda: True)
+    shapes = {"q_proj": (512, 256), "k_proj": (128, 256), "v_proj": (128, 256), "o_proj": (256, 512)}
+    weights = {f"layers.{i}.{n}": S(s, jnp.bfloat16) for i in range(2) for n, s in shapes.items()}
+    hlo, kernels = _lower_for_cuda(lambda ws: pallas_quant.quantize_weights_batched(ws, check=False), weights)
+    assert len(kernels) == 3 and hlo.count("__gpu$xla.gpu.triton") == 3
+    for text in kernels:
+        _assert_exact_quant_ir(text, divisions=2)
