@@ -12,7 +12,8 @@ given) into K, so the weight is viewed as ``[N, K]``, the HF/vLLM ``[out, in]`` 
 ``[in, out]`` kernel and an Einsum ``"...d,dnh->...nh"`` kernel both map onto it; multi-dim contractions such
 as ``"...nh,nhd->...d"`` flatten ``(n, h)`` into K as vLLM's ``o_proj`` does).
 
-Implementations (``impl``): ``"dequant"`` dequantizes both operands (exact in float32) and runs one float32 (or
+Implementations (``impl``): ``"dequant"`` dequantizes both operands (``q * s`` rounded once to float32; exact for UE8M0
+power-of-two scales) and runs one float32 (or
 ``dequant_dtype``) matmul; the CPU default. ``"blocked"`` multiplies real e4m3 operands per K-block with
 ``lax.dot_general(..., preferred_element_type=float32)`` and applies the scales in float32.
 ``"pallas"`` is the fused Pallas GEMM of :mod:`fp8rl_jax.fp8.pallas_gemm` (GPU default; interpret mode

@@ -145,8 +145,8 @@ def dequantize_weight_blockwise(
 ) -> jnp.ndarray:
     """Inverse of :func:`quantize_weight_blockwise`: ``q[..., n, k] * scale_inv[..., n//bn, k//bk]``.
 
-    The product is exact in float32 (a 4-bit significand times a float32), then cast to ``out_dtype``
-    (vLLM ``scaled_dequantize``).
+    The product is rounded once to float32 (exact for UE8M0 power-of-two scales: a 4-bit significand times a
+    power of two), then cast to ``out_dtype``, as vLLM's ``scaled_dequantize`` computes it.
 
     Args:
       q: ``[..., N, K]`` fp8 array.
