@@ -149,9 +149,11 @@ def main(argv=None):
         extra = f" {r['speedup_w8a8_vs_dequant_then_bf16']:.2f} |" if not gpu else ""
         md.append(f"| {r['shape']} ({r['N']}, {r['K']}) | {r['M']} | "
                   + " | ".join(f"{r[i]['TFLOPs']:.4f}" for i in impls) + f" | {r['speedup_w8a8_vs_bf16']:.2f} |" + extra)
-    md += ["", "Pallas GEMM alone (pre-quantized operands), best tile per shape at M >= 1024:"] + [
-        f"- {r['shape']} M={r['M']}: {r['best_gemm_tile']} {r['speedup_best_gemm_vs_bf16']:.2f}x bf16"
-        for r in rows if "best_gemm_tile" in r] if any("best_gemm_tile" in r for r in rows) else []
+    tuned = [r for r in rows if "best_gemm_tile" in r]
+    if tuned:
+        md += ["", "Pallas GEMM alone (pre-quantized operands), best tile per shape at M >= 1024:"]
+        md += [f"- {r['shape']} M={r['M']}: {r['best_gemm_tile']} {r['speedup_best_gemm_vs_bf16']:.2f}x bf16"
+               for r in tuned]
     base = write_results("fp8_matmul", payload, md)
     print(f"wrote {base}.json and {base}.md")
 

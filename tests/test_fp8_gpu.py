@@ -16,35 +16,22 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fp8rl_jax.fp8 import formats, quant
+from fp8rl_jax.fp8 import quant
 from fp8rl_jax.fp8.dot_general import scaled_matmul
 from fp8rl_jax.fp8.pallas_gemm import pallas_w8a8_matmul
 from fp8rl_jax.fp8.pallas_quant import (gpu_lowering_available, pallas_quantize_activation_groupwise,
                                         pallas_quantize_weight_blockwise)
+from fp8_problems import assert_same_quant as _same
+from fp8_problems import QUANT_RECIPES as RECIPES
+from fp8_problems import quant_test_data as _data
 
 pytestmark = pytest.mark.skipif(not gpu_lowering_available(), reason="needs a CUDA GPU (none on this machine)")
-
-RECIPES = [formats.VLLM_BLOCK_CAST, formats.VLLM_GROUP_NATIVE, formats.VLLM_GROUP_TRITON, formats.CONTRACT]
-
-
-def _data(shape, seed):
-    """Values over ~16 binades, exact zeros, an outlier, and a subnormal-range tail (fresh per seed)."""
-    rng = np.random.default_rng(seed)
-    x = (rng.standard_normal(shape) * np.exp(rng.uniform(-6, 6, shape))).astype(np.float32)
-    x.reshape(-1)[::89] = 0.0
-    x.reshape(-1)[-1] = 3e4
-    return x
 
 
 def _cpu(fn, *arrays):
     cpu = jax.devices("cpu")[0]
     with jax.default_device(cpu):
         return fn(*[jax.device_put(a, cpu) for a in arrays])
-
-
-def _same(got, want):
-    np.testing.assert_array_equal(np.asarray(got[0]).view(np.uint8), np.asarray(want[0]).view(np.uint8))
-    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: r.name.split()[0])

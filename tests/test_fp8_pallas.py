@@ -12,21 +12,12 @@ from fp8rl_jax.fp8 import formats, quant
 from fp8rl_jax.fp8.pallas_gemm import pallas_w8a8_matmul
 from fp8rl_jax.fp8.pallas_quant import (gpu_lowering_available, pallas_quantize_activation_groupwise,
                                         pallas_quantize_weight_blockwise)
-
-RECIPES = [formats.VLLM_BLOCK_CAST, formats.VLLM_GROUP_NATIVE, formats.VLLM_GROUP_TRITON, formats.CONTRACT]
-
+from fp8_problems import assert_same_quant as _same
+from fp8_problems import QUANT_RECIPES as RECIPES
+from fp8_problems import quant_test_data
 
 def _data(shape, seed, dtype=jnp.float32):
-    rng = np.random.default_rng(seed)
-    x = (rng.standard_normal(shape) * np.exp(rng.uniform(-4, 4, shape))).astype(np.float32)
-    x.reshape(-1)[::97] = 0.0
-    x.reshape(-1)[-1] = 3e4  # an outlier far above the rest of its block
-    return jnp.asarray(x).astype(dtype)
-
-
-def _same(a, b):
-    np.testing.assert_array_equal(np.asarray(a[0]).view(np.uint8), np.asarray(b[0]).view(np.uint8))
-    np.testing.assert_array_equal(np.asarray(a[1]), np.asarray(b[1]))
+    return jnp.asarray(quant_test_data(shape, seed)).astype(dtype)
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: r.name.split()[0])
