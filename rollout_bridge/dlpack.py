@@ -18,6 +18,10 @@ are immutable, so the returned tensors must be treated as read-only; vLLM's load
 KV-cache scales (``model.layers.{i}.self_attn.{k,v,q}_scale``, scalars) are split off: they are written
 straight into vLLM's attention layers (``_k_scale``/``_k_scale_float`` ...) after the reload, which works
 with or without an FP8 quantization config (see :mod:`rollout_bridge.vllm_worker`).
+
+Senders (:class:`rollout_bridge.vllm_engine.VllmRolloutEngine`, :class:`rollout_bridge.ray_launch.RayRolloutClient`)
+share :func:`torch_sync_tensors` (export -> torch views in layer order) and :func:`check_same_signature` (names,
+shapes and dtypes equal to the first sync's).
 """
 
 from __future__ import annotations
@@ -115,10 +119,10 @@ def vllm_tensors(weights: ExportedWeights, target: str) -> tuple[dict[str, jax.A
     """
     if target not in TARGETS:
         raise ValueError(f"unknown vLLM weight target {target!r}; expected one of {TARGETS}")
+    if target == "fp8" and weights.format != "fp8_blockwise":
+        raise ValueError(f"vLLM FP8 workers need an 'fp8_blockwise' export, got {weights.format!r}")
     tensors, kv = split_kv_scales(weights.tensors)
     if target == "fp8":
-        if weights.format != "fp8_blockwise":
-            raise ValueError(f"vLLM FP8 workers need an 'fp8_blockwise' export, got {weights.format!r}")
         return dict(tensors), kv
     dense = jnp.bfloat16 if target == "bf16" else jnp.float32
     pairs, out = {}, {}
@@ -135,3 +139,73 @@ def vllm_tensors(weights: ExportedWeights, target: str) -> tuple[dict[str, jax.A
     if pairs:
         out.update(_dequantize_all(pairs, weights.block_size, jnp.dtype(dense).name))
     return out, kv
+
+
+def torch_sync_tensors(weights: ExportedWeights, target: str) -> tuple[dict[str, Any], dict[int, dict[str, float]]]:
+    """What a sender hands to a transport for one export: torch views in layer order, plus the KV scales.
+
+    Splits/converts the export (``target="native"``: :func:`split_kv_scales` only, the export's own dtypes, as
+    embedded JAX engines load it; ``"fp8"``/``"bf16"``/``"float32"``: :func:`vllm_tensors`), waits for the JAX
+    computation (:func:`jax.block_until_ready`), then views every tensor as torch (:func:`jax_to_torch`, zero
+    copy) in :func:`rollout_bridge.transports.order_by_layer` order (vLLM's layerwise reload processes a layer as
+    soon as all of its tensors arrived).
+
+    Args:
+      weights: the trainer's export.
+      target: ``"native"`` or one of :data:`TARGETS`.
+
+    Returns:
+      ``({hf_name: torch.Tensor}, {layer_index: {"k_scale": float, ...}})``; shapes as in the export (linear
+      weights ``[out, in]``), dtypes per ``target``.
+
+    Raises:
+      ValueError: as :func:`vllm_tensors` / :func:`split_kv_scales` (unknown target, non-FP8 export for
+        ``"fp8"``, malformed KV scale, orphan ``weight_scale_inv``).
+    """
+    from rollout_bridge.transports import order_by_layer
+
+    if target == "native":
+        tensors, kv = split_kv_scales(weights.tensors)
+    else:
+        tensors, kv = vllm_tensors(weights, target)
+    jax.block_until_ready(tensors)
+    return {k: jax_to_torch(tensors[k]) for k in order_by_layer(tensors)}, kv
+
+
+Signature = dict[str, tuple[tuple[int, ...], str]]
+
+
+def tensor_signature(tensors: dict[str, Any]) -> Signature:
+    """``{name: (shape, dtype name)}`` of an export's tensors (JAX or numpy arrays).
+
+    E.g. ``{"model.layers.0.mlp.up_proj.weight": ((128, 64), "float8_e4m3fn")}``; no errors beyond a tensor without
+    ``shape``/``dtype`` (``AttributeError``).
+    """
+    return {k: (tuple(int(s) for s in v.shape), str(np.dtype(v.dtype))) for k, v in tensors.items()}
+
+
+def check_same_signature(first: Signature | None, tensors: dict[str, Any]) -> Signature:
+    """Check that an export has the names, shapes and dtypes of the first sync (run before anything is sent).
+
+    Args:
+      first: :func:`tensor_signature` of the first sync, or None when this is the first one.
+      tensors: the new export's ``{name: array}``.
+
+    Returns:
+      ``first``, or the new signature when ``first`` is None (store it for later syncs).
+
+    Raises:
+      ValueError: ``"weight names changed since the first sync: missing [...], unexpected [...]"`` or
+        ``"shape/dtype mismatch for <name>: engine expects (shape, dtype), update has (shape, dtype)"``.
+    """
+    sig = tensor_signature(tensors)
+    if first is None:
+        return sig
+    got, want = set(sig), set(first)
+    if got != want:
+        raise ValueError(f"weight names changed since the first sync: missing {sorted(want - got)[:5]}, "
+                         f"unexpected {sorted(got - want)[:5]}")
+    for k, v in sig.items():
+        if v != first[k]:
+            raise ValueError(f"shape/dtype mismatch for {k}: engine expects {first[k]}, update has {v}")
+    return first

@@ -113,10 +113,6 @@ class RolloutWorker(WeightReceiverMixin):
         raise NotImplementedError("weights_digest is implemented for the embedded engine; for vLLM use "
                                   "VllmRolloutEngine.score")
 
-    def pid(self) -> int:
-        """This actor's process id."""
-        return os.getpid()
-
     def close(self) -> None:
         """Release the engine."""
         if self.engine is not None:
@@ -198,23 +194,10 @@ class RayRolloutClient:
           ValueError: names/shapes/dtypes differ from the first sync (nothing is sent).
           WeightSyncError: an actor died, timed out or rejected the weights.
         """
-        import jax
+        from rollout_bridge.dlpack import check_same_signature, torch_sync_tensors
 
-        from rollout_bridge.dlpack import jax_to_torch, split_kv_scales, vllm_tensors
-        from rollout_bridge.transports import order_by_layer
-
-        sig = {k: (tuple(v.shape), str(v.dtype)) for k, v in weights.tensors.items()}
-        if self._signature is None:
-            self._signature = sig
-        elif sig != self._signature:
-            diff = sorted(k for k in set(sig) | set(self._signature) if sig.get(k) != self._signature.get(k))
-            raise ValueError(f"weights differ from the first sync in names/shapes/dtypes: {diff[:5]}")
-        if self.weight_target == "native":
-            tensors, kv = split_kv_scales(weights.tensors)
-        else:
-            tensors, kv = vllm_tensors(weights, self.weight_target)
-        jax.block_until_ready(tensors)
-        torch_tensors = {k: jax_to_torch(tensors[k]) for k in order_by_layer(tensors)}
+        self._signature = check_same_signature(self._signature, weights.tensors)
+        torch_tensors, kv = torch_sync_tensors(weights, self.weight_target)
         self.weights_version = -1
         self.last_sync = self.transport.send(torch_tensors, kv, int(weights.version), self.receivers,
                                              self.sync_timeout_s)
@@ -456,9 +439,9 @@ def start(config, *, num_rollout_actors: int = 1, rollout_engine: str = "jax", t
 
 
 def _model_config(config):
-    from fp8rl_jax.models.loading import load_checkpoint
+    from fp8rl_jax.models.loading import load_model_config
 
-    return load_checkpoint(config.model)[0]
+    return load_model_config(config.model)
 
 
 def _fill_token_ids(config, engine_kwargs: dict) -> None:

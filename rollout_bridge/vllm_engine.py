@@ -32,23 +32,16 @@ import tempfile
 import time
 from typing import Any, Sequence
 
-import jax
 import numpy as np
 
+from fp8rl_jax.fp8.kv_cache import normalize_kv_cache_dtype
 from fp8rl_jax.models.config import ModelConfig, hf_param_shapes
+from fp8rl_jax.rollout.engine import check_weights_current
 from fp8rl_jax.rollout.types import ExportedWeights, RolloutBatch, SamplingParams, check_prompt_token_ids
-from rollout_bridge.dlpack import KV_SCALE_RE, jax_to_torch, vllm_tensors
-from rollout_bridge.transports import (SyncStats, ThreadReceiver, Transport, WeightSyncError, make_transport,
-                                       order_by_layer)
+from rollout_bridge.dlpack import KV_SCALE_RE, Signature, check_same_signature, tensor_signature, torch_sync_tensors
+from rollout_bridge.transports import SyncStats, ThreadReceiver, Transport, WeightSyncError, make_transport
 
 EXTENSION = "rollout_bridge.vllm_worker.WeightSyncExtension"
-FP8_QUANT_CONFIG = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
-                    "weight_block_size": [128, 128]}
-
-
-def fp8_quantization_config(block_size: int = 128) -> dict:
-    """The ``quantization_config`` of a blockwise FP8 checkpoint (vLLM ``Fp8Config.from_config`` keys)."""
-    return dict(FP8_QUANT_CONFIG, weight_block_size=[block_size, block_size])
 
 
 def write_vllm_config_dir(path: str, cfg: ModelConfig, *, fp8: bool = False, block_size: int = 128,
@@ -58,7 +51,8 @@ def write_vllm_config_dir(path: str, cfg: ModelConfig, *, fp8: bool = False, blo
     Args:
       path: directory (created).
       cfg: model architecture.
-      fp8: add the blockwise FP8 ``quantization_config`` (GPU vLLM).
+      fp8: add the blockwise FP8 ``quantization_config`` (GPU vLLM;
+        :func:`fp8rl_jax.trainer.hf_export.fp8_quantization_config`, the one HF exports carry).
       block_size: FP8 weight block edge.
       dtype: ``torch_dtype`` recorded in the config (vLLM's default compute dtype).
 
@@ -69,6 +63,8 @@ def write_vllm_config_dir(path: str, cfg: ModelConfig, *, fp8: bool = False, blo
     d = cfg.to_hf_dict()
     d["torch_dtype"] = dtype
     if fp8:
+        from fp8rl_jax.trainer.hf_export import fp8_quantization_config  # local: keeps module import light
+
         d["quantization_config"] = fp8_quantization_config(block_size)
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(d, f, indent=2)
@@ -128,7 +124,7 @@ class VllmRolloutEngine:
 
     Raises:
       ImportError: vLLM is not installed (``pip install fp8rl-jax[vllm]``).
-      ValueError: bad ``weight_target``/``transport``; ``weight_target="fp8"`` without CUDA.
+      ValueError: bad ``weight_target``/``transport``/``kv_cache_dtype``; ``weight_target="fp8"`` without CUDA.
     """
 
     def __init__(self, config: ModelConfig, weights: ExportedWeights | None = None, *, weight_target: str = "auto",
@@ -137,6 +133,7 @@ class VllmRolloutEngine:
                  max_model_len: int | None = None, kv_cache_memory_bytes: int | None = None,
                  gpu_memory_utilization: float = 0.5, max_num_seqs: int = 64, in_process: bool | None = None,
                  sync_timeout_s: float = 600.0, workdir: str | None = None, **llm_kwargs: Any):
+        normalize_kv_cache_dtype(kv_cache_dtype)  # fail before starting vLLM; generate() checks scales by it
         cuda = _cuda_available()
         if weight_target == "auto":
             weight_target = "fp8" if cuda and not fp8_block_alignment_problems(config) else "bf16"
@@ -189,7 +186,7 @@ class VllmRolloutEngine:
         kw.update(llm_kwargs)
         self.llm = vllm.LLM(**kw)
         self.receiver = ThreadReceiver(self._rpc, name="vllm")
-        self._signature: dict[str, tuple[tuple[int, ...], str]] | None = None
+        self._signature: Signature | None = None
         self._rng = np.random.default_rng(seed)
         self.weights_version = -1
         self.kv_scales_version = -1
@@ -204,8 +201,8 @@ class VllmRolloutEngine:
         return self.llm.collective_rpc(method, args=args, timeout=self.sync_timeout_s)
 
     def _check_signature(self, weights: ExportedWeights) -> None:
-        sig = {k: (tuple(int(s) for s in v.shape), str(np.dtype(v.dtype))) for k, v in weights.tensors.items()}
         if self._signature is None:
+            sig = tensor_signature(weights.tensors)
             want = hf_param_shapes(self.config)
             dense = {k: v[0] for k, v in sig.items() if not k.endswith("_scale_inv") and not KV_SCALE_RE.match(k)}
             missing, extra = sorted(set(want) - set(dense)), sorted(set(dense) - set(want))
@@ -217,29 +214,21 @@ class VllmRolloutEngine:
                     raise ValueError(f"shape mismatch for {k}: the model has {tuple(shape)}, the export {dense[k]}")
             self._signature = sig
             return
-        got, want = set(sig), set(self._signature)
-        if got != want:
-            raise ValueError(f"weight names changed since the first sync: missing {sorted(want - got)[:5]}, "
-                             f"unexpected {sorted(got - want)[:5]}")
-        for k, v in sig.items():
-            if v != self._signature[k]:
-                raise ValueError(f"shape/dtype mismatch for {k}: engine expects {self._signature[k]}, update has {v}")
+        check_same_signature(self._signature, weights.tensors)
 
     def update_weights(self, weights: ExportedWeights) -> None:
         """Sync one export into every vLLM worker and reset the prefix cache.
 
         Raises:
-          ValueError: wrong names/shapes/dtypes (named; nothing is sent, the engine keeps its weights).
+          ValueError: wrong names/shapes/dtypes (named; nothing is sent, the engine keeps its weights);
+            ``weight_target="fp8"`` with a non-``fp8_blockwise`` export (raised by
+            :func:`rollout_bridge.dlpack.vllm_tensors`).
           WeightSyncError: the transport or a worker failed or timed out; the engine refuses to generate until a
             later sync succeeds.
         """
         t0 = time.perf_counter()
         self._check_signature(weights)
-        if weights.format != "fp8_blockwise" and self.weight_target == "fp8":
-            raise ValueError(f"weight_target='fp8' needs an 'fp8_blockwise' export, got {weights.format!r}")
-        tensors, kv = vllm_tensors(weights, self.weight_target)
-        jax.block_until_ready(tensors)
-        torch_tensors = {k: jax_to_torch(tensors[k]) for k in order_by_layer(tensors)}
+        torch_tensors, kv = torch_sync_tensors(weights, self.weight_target)
         self._send(torch_tensors, kv, int(weights.version), self.transport)
         if kv:
             self.kv_scales_version = int(weights.metadata.get("kv_scales_version", weights.version))
@@ -289,16 +278,7 @@ class VllmRolloutEngine:
         if not self._usable:
             raise WeightSyncError(f"vLLM engine has no consistent weights (last sync failed or none yet; "
                                   f"version {self.weights_version}): call update_weights first")
-        if self.kv_cache_dtype.startswith("fp8") and self.kv_scales_version < self.weights_version:
-            from fp8rl_jax.rollout.engine import StaleWeightsError
-
-            raise StaleWeightsError(f"FP8 KV cache scales are version {self.kv_scales_version}, weights "
-                                    f"{self.weights_version}: sync recalibrated k_scale/v_scale with the weights")
-        if expected_version is not None and self.weights_version < expected_version:
-            from fp8rl_jax.rollout.engine import StaleWeightsError
-
-            raise StaleWeightsError(f"engine weights are version {self.weights_version}, trainer expects "
-                                    f"{expected_version}: call update_weights first")
+        check_weights_current(self.weights_version, expected_version, self.kv_cache_dtype, self.kv_scales_version)
 
     def generate(self, prompt_token_ids: Sequence[Sequence[int]], sampling_params: SamplingParams,
                  expected_version: int | None = None) -> RolloutBatch:
@@ -311,6 +291,7 @@ class VllmRolloutEngine:
           ValueError: an empty prompt or an out-of-vocabulary id.
           WeightSyncError: no successful sync yet, or the last one failed.
           StaleWeightsError: ``expected_version`` is newer than the loaded weights.
+          StaleKVScalesError: FP8 KV cache whose scales are older than the weights (or were never synced).
         """
         from vllm.inputs import TokensPrompt
 
@@ -392,9 +373,8 @@ def make_engine(config, model_config: ModelConfig, weights: ExportedWeights, *, 
     """
     kw: dict[str, Any] = dict(
         weight_target={"fp8": "auto", "bf16": "bf16", "float32": "float32"}[config.rollout_precision],
-        transport=getattr(config, "vllm_transport", "inprocess"),
-        kv_cache_dtype=getattr(config, "kv_cache_dtype", "auto"),
-        kv_cache_memory_bytes=getattr(config, "kv_cache_memory_bytes", None),
+        transport=config.vllm_transport, kv_cache_dtype=config.kv_cache_dtype,
+        kv_cache_memory_bytes=config.kv_cache_memory_bytes,
         pad_token_id=pad_token_id, eos_token_ids=eos_token_ids, seed=config.seed,
         max_num_seqs=max(config.prompts_per_step * config.samples_per_prompt, 8))
     kw.update(overrides)

@@ -115,13 +115,6 @@ class WeightSyncExtension(WeightReceiverMixin):
         """Read back the KV scales in use (for checks and tests)."""
         return get_kv_scales(self._fp8rl_model())
 
-    def fp8rl_param_checksum(self, name: str) -> float:
-        """float64 sum of one vLLM parameter (vLLM's fused name, e.g. ``model.norm.weight``); for checks."""
-        params = dict(self._fp8rl_model().named_parameters())
-        if name not in params:
-            raise KeyError(f"vLLM model has no parameter {name!r}")
-        return float(params[name].double().sum())
-
 
 def load_fp8_checkpoint_with_vllm_layers(tensors: dict, cfg, vllm_config, block_size: int = 128) -> dict:
     """Load an FP8 blockwise export through vLLM's own FP8 linear layers and weight loaders (CPU-safe check).

@@ -69,3 +69,28 @@ def test_trainer_and_rollout_actor_two_steps(tiny_dir, tmp_path, tmp_path_factor
     finally:
         ray.shutdown()
     assert os.path.exists(home_token) == had_home_token
+
+
+def test_driver_reads_the_model_config_without_tensors(smollm2_path, tiny_dir, monkeypatch):
+    """``start`` builds the actors' ModelConfig in the driver from metadata only: same config as load_checkpoint."""
+    import types
+
+    import gguf
+
+    from fp8rl_jax.models import hf_io
+    from fp8rl_jax.models.loading import load_checkpoint, load_model_config
+    from rollout_bridge.ray_launch import _model_config
+
+    want = {src: load_checkpoint(src)[0] for src in (smollm2_path, tiny_dir)}
+
+    def no_tensors(*a, **k):
+        raise AssertionError("load_model_config read tensor data")
+
+    monkeypatch.setattr(gguf.quants, "dequantize", no_tensors)
+    monkeypatch.setattr(hf_io, "read_safetensors", no_tensors)
+    for src in (smollm2_path, tiny_dir):
+        assert load_model_config(src) == want[src]
+        assert _model_config(types.SimpleNamespace(model=src)) == want[src]
+    assert load_model_config("smollm2-135m-instruct") == want[smollm2_path]
+    with pytest.raises(FileNotFoundError, match="nowhere"):
+        load_model_config(str(tiny_dir) + "/nowhere")

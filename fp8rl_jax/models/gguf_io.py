@@ -136,6 +136,17 @@ def read_gguf_metadata(path: str | os.PathLike) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------------- RoPE layout
 
 
+def read_gguf_config(path: str | os.PathLike) -> ModelConfig:
+    """The :class:`ModelConfig` of a GGUF file from its metadata and tensor names only (no tensor data is read).
+
+    Raises:
+      FileNotFoundError: no such file.
+      ValueError: not a GGUF file, truncated, or an unsupported architecture (as :func:`load_gguf`).
+    """
+    reader = _open_reader(path)
+    return gguf_model_config(_fields(reader), [t.name for t in reader.tensors], str(path))
+
+
 def permute_rotary(w: np.ndarray, n_head: int) -> np.ndarray:
     """HF -> GGML row order for Llama ``q_proj``/``k_proj`` (what llama.cpp's converter writes).
 

@@ -63,6 +63,22 @@ def jax_tree_zeros(state):
     return jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype) if isinstance(x, jax.ShapeDtypeStruct) else x, state)
 
 
+def _resolve_source(source: str) -> str:
+    """A packaged name's ``.gguf`` path, or ``source`` itself when it is a ``.gguf`` path or a directory.
+
+    Raises:
+      FileNotFoundError: neither (or the packaged asset is not installed).
+    """
+    if source in PACKAGED_MODELS:
+        from fp8rl_jax.assets import smollm2_gguf_path
+
+        return smollm2_gguf_path()
+    if source.endswith(".gguf") or os.path.isdir(source):
+        return source
+    raise FileNotFoundError(f"model source {source!r} is neither a packaged model {PACKAGED_MODELS}, "
+                            f"a .gguf file, nor an HF directory with config.json")
+
+
 def load_checkpoint(source: str) -> tuple[ModelConfig, dict[str, Any]]:
     """Read config + HF-named float weights from a packaged name, a ``.gguf`` file or an HF directory.
 
@@ -70,21 +86,33 @@ def load_checkpoint(source: str) -> tuple[ModelConfig, dict[str, Any]]:
       FileNotFoundError: the path does not exist (or the packaged asset is not installed).
       ValueError: unknown architecture, corrupt file, or an unknown packaged name.
     """
-    if source in PACKAGED_MODELS:
-        from fp8rl_jax.assets import smollm2_gguf_path
-
-        source = smollm2_gguf_path()
+    source = _resolve_source(source)
     if source.endswith(".gguf"):
         from fp8rl_jax.models.gguf_io import load_gguf
 
         return load_gguf(source)
-    if os.path.isdir(source):
-        from fp8rl_jax.models.hf_io import load_hf_dir
+    from fp8rl_jax.models.hf_io import load_hf_dir
 
-        cfg, params, _ = load_hf_dir(source)
-        return cfg, params
-    raise FileNotFoundError(f"model source {source!r} is neither a packaged model {PACKAGED_MODELS}, "
-                            f"a .gguf file, nor an HF directory with config.json")
+    cfg, params, _ = load_hf_dir(source)
+    return cfg, params
+
+
+def load_model_config(source: str) -> ModelConfig:
+    """The :class:`ModelConfig` :func:`load_checkpoint` would return for ``source``, without reading any tensor.
+
+    A ``.gguf`` file (or packaged name) is read for its metadata and tensor names only (the tensor data stays
+    memory-mapped, untouched); an HF directory for its ``config.json`` only.
+
+    Raises:
+      FileNotFoundError: the path (or ``config.json``) does not exist, or the packaged asset is not installed.
+      ValueError: unknown architecture, corrupt or truncated file.
+    """
+    source = _resolve_source(source)
+    if source.endswith(".gguf"):
+        from fp8rl_jax.models.gguf_io import read_gguf_config
+
+        return read_gguf_config(source)
+    return ModelConfig.from_json_file(os.path.join(source, "config.json"))
 
 
 def load_tokenizer_for(source: str):

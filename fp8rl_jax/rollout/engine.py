@@ -48,6 +48,31 @@ class StaleKVScalesError(StaleWeightsError):
     """Raised when an FP8 KV cache would be used with ``k_scale``/``v_scale`` older than the loaded weights."""
 
 
+def check_weights_current(weights_version: int, expected_version: int | None, kv_cache_dtype: str,
+                          kv_scales_version: int) -> None:
+    """The staleness checks every rollout engine runs before generating (embedded JAX engine and vLLM alike).
+
+    Args:
+      weights_version: version of the weights the engine holds.
+      expected_version: version the trainer expects (None: no check).
+      kv_cache_dtype: the engine's KV-cache dtype (any :func:`normalize_kv_cache_dtype` spelling).
+      kv_scales_version: weights version the engine's ``k_scale``/``v_scale`` were calibrated for (``-1``: none).
+
+    Raises:
+      StaleWeightsError: ``expected_version`` is newer than ``weights_version``.
+      StaleKVScalesError: an e4m3 KV cache whose scales are older than the weights (or were never set).
+      ValueError: unknown ``kv_cache_dtype`` (from :func:`normalize_kv_cache_dtype`).
+    """
+    if expected_version is not None and weights_version < expected_version:
+        raise StaleWeightsError(f"engine weights are version {weights_version}, trainer expects "
+                                f"{expected_version}: call update_weights first")
+    if normalize_kv_cache_dtype(kv_cache_dtype) == "fp8_e4m3" and kv_scales_version < weights_version:
+        have = "none" if kv_scales_version < 0 else f"version {kv_scales_version}"
+        raise StaleKVScalesError(
+            f"fp8_e4m3 KV cache: k_scale/v_scale are {have} but the weights are version {weights_version}; "
+            "export recalibrated scales with the weights (model.layers.{i}.self_attn.k_scale/v_scale)")
+
+
 class JaxRolloutEngine:
     """Embedded rollout engine (implements :class:`fp8rl_jax.rollout.types.RolloutEngine`).
 
@@ -203,14 +228,7 @@ class JaxRolloutEngine:
           StaleWeightsError: ``expected_version`` is newer than the loaded weights.
           StaleKVScalesError: FP8 KV cache whose scales are older than the weights (or were never set).
         """
-        if expected_version is not None and self.weights_version < expected_version:
-            raise StaleWeightsError(f"engine weights are version {self.weights_version}, trainer expects "
-                                    f"{expected_version}: call update_weights first")
-        if self.kv_cache_dtype == "fp8_e4m3" and self.kv_scales_version < self.weights_version:
-            have = "none" if self.kv_scales is None else f"version {self.kv_scales_version}"
-            raise StaleKVScalesError(
-                f"fp8_e4m3 KV cache: k_scale/v_scale are {have} but the weights are version {self.weights_version}; "
-                "export recalibrated scales with the weights (model.layers.{i}.self_attn.k_scale/v_scale)")
+        check_weights_current(self.weights_version, expected_version, self.kv_cache_dtype, self.kv_scales_version)
         sp = sampling_params
         prompts = check_prompt_token_ids(prompt_token_ids, self.config.vocab_size)
         rows = [r for r in prompts for _ in range(sp.n)]
