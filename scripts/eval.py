@@ -42,19 +42,18 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    """Parse flags, evaluate the model, print the metrics and write the JSON; returns the exit status."""
     args = _parser().parse_args(argv)
     from fp8rl_jax.data.math_eval import EVAL_SETS
+    from fp8rl_jax.trainer.cli import fail
 
     if args.dataset not in EVAL_SETS:
-        print(f"error: unknown --dataset {args.dataset!r}; valid: {sorted(EVAL_SETS)}", file=sys.stderr)
-        return 2
+        return fail(f"unknown --dataset {args.dataset!r}; valid: {sorted(EVAL_SETS)}")
     for name in ("n", "max_tokens", "batch_size"):
         if getattr(args, name) < 1:
-            print(f"error: --{name} must be >= 1, got {getattr(args, name)}", file=sys.stderr)
-            return 2
+            return fail(f"--{name} must be >= 1, got {getattr(args, name)}")
     if args.num_examples < 0:
-        print(f"error: --num_examples must be >= 0, got {args.num_examples}", file=sys.stderr)
-        return 2
+        return fail(f"--num_examples must be >= 0, got {args.num_examples}")
 
     import jax
 
@@ -70,8 +69,7 @@ def main(argv=None) -> int:
         model_cfg, params = load_checkpoint(args.model)
         tokenizer = load_tokenizer_for(args.model)
     except (FileNotFoundError, ValueError, AssetNotFoundError) as e:
-        print(f"error: cannot load model {args.model!r}: {e}", file=sys.stderr)
-        return 2
+        return fail(f"cannot load model {args.model!r}: {e}")
     model = build_model(model_cfg, params, param_dtype="float32", dtype="float32")
     del params
     weights = export_weights(named_params(model), ENGINE_PRECISIONS[args.precision][2])
@@ -89,8 +87,7 @@ def main(argv=None) -> int:
                            batch_size=args.batch_size, seed=args.seed, instruction=instruction,
                            return_samples=True, progress=True)
     except (ValueError, AssetNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return fail(str(e))
     samples = metrics.pop("samples")
     pre = f"val/{args.dataset}"
     total_s = time.perf_counter() - t_start

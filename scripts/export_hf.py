@@ -19,6 +19,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 
 def main(argv=None) -> int:
+    """Parse flags and export the run's checkpoint as an HF directory; returns the exit status."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--run_dir", required=True, help="run directory (with checkpoints/) or checkpoint root")
     parser.add_argument("--output", required=True, help="HF directory to write")
@@ -27,13 +28,13 @@ def main(argv=None) -> int:
     parser.add_argument("--model", default=None, help="model source of the run (default: recorded in the checkpoint)")
     args = parser.parse_args(argv)
 
+    from fp8rl_jax.trainer.cli import fail
     from fp8rl_jax.trainer.hf_export import export_checkpoint_to_hf
 
     try:
         path = export_checkpoint_to_hf(args.run_dir, args.output, fmt=args.format, step=args.step, model=args.model)
     except (FileNotFoundError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return fail(str(e))
     print(f"wrote {args.format} HF directory {path}")
     return 0
 

@@ -24,6 +24,7 @@ from fp8rl_jax.trainer.cli import add_gin_flags, config_from_gin_flags, fail  # 
 
 
 def main(argv=None) -> int:
+    """Parse the gin flags and train; returns the exit status (2 with a one-line message on bad input)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_gin_flags(parser)
     parser.add_argument("--resume", action="store_true",

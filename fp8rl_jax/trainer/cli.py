@@ -25,9 +25,7 @@ def config_from_gin_flags(args: argparse.Namespace, **overrides):
       ``(config, None)`` on success, or ``(None, message)`` with a one-line error (missing gin file, a bad or
       misspelled binding, an invalid field value) for the script to print and exit with status 2.
     """
-    import gin
-
-    import fp8rl_jax.trainer  # noqa: F401  (registers the gin configurables)
+    import gin  # the configurables are registered: importing this module imported the fp8rl_jax.trainer package
 
     for path in args.gin_file:
         if not os.path.isfile(path):

@@ -10,11 +10,14 @@ import dataclasses
 
 import gin
 
+from fp8rl_jax.data.math_eval import EVAL_SETS
 from fp8rl_jax.data.registry import TRAIN_TASKS
+from fp8rl_jax.fp8.training import GRAD_PRECISIONS
+from fp8rl_jax.trainer.dapo import FILTER_METRICS
+from fp8rl_jax.trainer.precision import TRAIN_PRECISIONS
 
 ROLLOUT_PRECISIONS = ("fp8", "bf16", "float32")
 TRAIN_DTYPES = ("float32",)
-TRAIN_PRECISIONS = ("float32", "bf16", "fp16", "fp8")
 ADVANTAGE_ESTIMATORS = ("grpo", "drgrpo", "rloo")
 
 
@@ -145,20 +148,28 @@ class TrainConfig:
         """Effective response budget in tokens: ``max_response_length`` if set, else ``max_tokens``."""
         return self.max_tokens if self.max_response_length is None else self.max_response_length
 
-    def __post_init__(self):
-        def choice(name, valid):
-            if getattr(self, name) not in valid:
-                raise ValueError(f"train.{name}={getattr(self, name)!r} is not one of {list(valid)}")
+    def _choice(self, name: str, valid) -> None:
+        """ValueError unless field ``name`` is one of ``valid`` (names the value and the valid ones)."""
+        if getattr(self, name) not in valid:
+            raise ValueError(f"train.{name}={getattr(self, name)!r} is not one of {list(valid)}")
 
+    def _int_at_least(self, name: str, lo: int, allow_none: bool = False) -> None:
+        """ValueError unless field ``name`` is an int (not a bool) >= ``lo`` (or None with ``allow_none``)."""
+        v = getattr(self, name)
+        if allow_none and v is None:
+            return
+        if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+            raise ValueError(f"train.{name} must be an int >= {lo}{' or None' if allow_none else ''}, got {v!r}")
+
+    def __post_init__(self):
+        choice = self._choice
         choice("task", TRAIN_TASKS)
         choice("rollout_precision", ROLLOUT_PRECISIONS)
         choice("train_dtype", TRAIN_DTYPES)
         choice("train_precision", TRAIN_PRECISIONS)
-        choice("fp8_train_grad", ("bf16", "e5m2", "float32"))
-        if not isinstance(self.checkpoint_every, int) or self.checkpoint_every < 0:
-            raise ValueError(f"train.checkpoint_every must be an int >= 0, got {self.checkpoint_every!r}")
-        if not isinstance(self.keep_checkpoints, int) or self.keep_checkpoints < 1:
-            raise ValueError(f"train.keep_checkpoints must be a positive int, got {self.keep_checkpoints!r}")
+        choice("fp8_train_grad", GRAD_PRECISIONS)
+        self._int_at_least("checkpoint_every", 0)
+        self._int_at_least("keep_checkpoints", 1)
         if not self.loss_scale_init > 0 or int(self.loss_scale_growth_interval) < 1:
             raise ValueError(f"train.loss_scale_init must be > 0 and train.loss_scale_growth_interval >= 1, got "
                              f"{self.loss_scale_init!r}, {self.loss_scale_growth_interval!r}")
@@ -177,22 +188,14 @@ class TrainConfig:
         self._check_dapo_and_eval()
 
     def _check_dapo_and_eval(self):
-        def int_at_least(name, lo, allow_none=False):
-            v = getattr(self, name)
-            if allow_none and v is None:
-                return
-            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-                raise ValueError(f"train.{name} must be an int >= {lo}{' or None' if allow_none else ''}, got {v!r}")
-
+        int_at_least = self._int_at_least
         int_at_least("max_response_length", 1, allow_none=True)
         default_max_tokens = type(self).__dataclass_fields__["max_tokens"].default
         if (self.max_response_length is not None and self.max_tokens != default_max_tokens
                 and self.max_tokens != self.max_response_length):
             raise ValueError(f"train.max_response_length={self.max_response_length} and train.max_tokens="
                              f"{self.max_tokens} disagree: they name the same response budget, set one")
-        if self.filter_groups_metric not in ("acc", "score", "seq_reward", "seq_final_reward"):
-            raise ValueError(f"train.filter_groups_metric={self.filter_groups_metric!r} is not one of "
-                             f"['acc', 'score', 'seq_reward', 'seq_final_reward']")
+        self._choice("filter_groups_metric", FILTER_METRICS)
         int_at_least("max_num_gen_batches", 0)
         int_at_least("overlong_buffer_len", 0)
         if self.overlong_buffer_len > self.response_budget:
@@ -201,8 +204,7 @@ class TrainConfig:
         if not self.overlong_penalty_factor >= 0:
             raise ValueError(f"train.overlong_penalty_factor must be >= 0, got {self.overlong_penalty_factor!r}")
         int_at_least("eval_every", 0)
-        if self.eval_dataset not in ("gsm8k", "math500"):
-            raise ValueError(f"train.eval_dataset={self.eval_dataset!r} is not one of ['gsm8k', 'math500']")
+        self._choice("eval_dataset", EVAL_SETS)
         int_at_least("eval_num_examples", 1)
         int_at_least("eval_n", 1)
         int_at_least("eval_max_tokens", 1, allow_none=True)

@@ -22,7 +22,6 @@ from typing import Any
 import numpy as np
 
 HF_EXPORT_FORMATS = ("bf16", "float32", "fp8")
-_EXPORT_FMT = {"bf16": "bf16", "float32": "float32", "fp8": "fp8_blockwise"}
 
 
 def fp8_quantization_config(block_size: int = 128) -> dict[str, Any]:
@@ -53,11 +52,13 @@ def export_hf_dir(path: str, model_config, params: dict[str, Any], *, fmt: str =
     """
     from fp8rl_jax.export import export_weights
     from fp8rl_jax.models.hf_io import save_hf_dir
+    from fp8rl_jax.rollout.engine import ENGINE_PRECISIONS
 
     if fmt not in HF_EXPORT_FORMATS:
         raise ValueError(f"unknown HF export format {fmt!r}; expected one of {HF_EXPORT_FORMATS}")
     scalars = {k: v for k, v in params.items() if np.ndim(v) == 0}  # e.g. kv scales: not quantized
-    tensors = export_weights({k: v for k, v in params.items() if k not in scalars}, _EXPORT_FMT[fmt],
+    tensors = export_weights({k: v for k, v in params.items() if k not in scalars},
+                             ENGINE_PRECISIONS[fmt][2],  # the export format of that rollout precision
                              block_size=block_size).tensors
     out = {k: np.asarray(v) for k, v in tensors.items()}
     out.update({k: np.asarray(v, np.float32).reshape(()) for k, v in scalars.items()})

@@ -182,8 +182,7 @@ class RLTrainer:
           CheckpointNotFoundError / FileNotFoundError: no such checkpoint, or a missing item (named).
           ValueError: the checkpoint belongs to another model/optimizer/precision (shapes or tree differ).
         """
-        targets = {"params": model_state(self.model), "optimizer": optimizer_state(self.optimizer),
-                   "extra": self.extra_state()}
+        targets, _ = self.checkpoint_state()  # the restore target: the tree this trainer would save
         state, meta = store.restore(step, targets)
         if meta.get("train_precision", self.cfg.train_precision) != self.cfg.train_precision:
             raise ValueError(f"checkpoint was written with train_precision={meta['train_precision']!r}, this "
@@ -399,10 +398,11 @@ class RLTrainer:
         if cfg.overlong_buffer_len > 0:
             dapo_metrics["reward/score_mean"] = float(sb.scores.mean())
             dapo_metrics["dapo/overlong_penalty_mean"] = float((sb.rewards - sb.scores).mean())
+        clip_ratio = float(np.mean([f == "length" for f in rb.finish_reason]))  # truncated fraction of the batch
         response_mask = rb.response_mask
         if cfg.overlong_filter:  # truncated responses get no loss (DAPO overlong filtering)
             response_mask = dapo.overlong_filter_mask(rb.response_mask, rb.finish_reason)
-            dapo_metrics["dapo/overlong_filtered_fraction"] = float(np.mean([f == "length" for f in rb.finish_reason]))
+            dapo_metrics["dapo/overlong_filtered_fraction"] = clip_ratio
         t0 = time.perf_counter()
         advantages = _ADVANTAGES[cfg.advantage_estimator](jnp.asarray(rewards), cfg.samples_per_prompt)
         t_rollout, t_reward = timers["rollout"], timers["reward"] + time.perf_counter() - t0
@@ -449,7 +449,7 @@ class RLTrainer:
             "reward/std": float(rewards.std()),
             "response_length/mean": float(lengths.mean()),
             "prompt_length/mean": float(np.mean([len(p) for p in rb.prompt_token_ids])),
-            "response_length/clip_ratio": float(np.mean([r == "length" for r in rb.finish_reason])),
+            "response_length/clip_ratio": clip_ratio,
         }
         out.update({k: float(v) for k, v in corr.items()})
         out.update(dapo_metrics)
