@@ -33,7 +33,6 @@ import numpy as np
 
 from fp8rl_jax.fp8.formats import E4M3, E4M3_MAX
 
-KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
 # vLLM spells e4m3 as "fp8" too (CUDA: "fp8" == "fp8_e4m3").
 _KV_ALIASES = {"auto": "auto", "bf16": "auto", "bfloat16": "auto", "fp8": "fp8_e4m3", "fp8_e4m3": "fp8_e4m3"}
 KV_SCALE_CALIBRATIONS = ("amax", "percentile")
@@ -65,8 +64,8 @@ def kv_cache_storage_dtype(kv_cache_dtype: str, model_dtype) -> jnp.dtype:
 
 
 def is_fp8_cache(x) -> bool:
-    """True when ``x`` (an array or dtype) is an e4m3 cache."""
-    return jnp.dtype(getattr(x, "dtype", x)) == jnp.dtype(E4M3)
+    """True when ``x`` (an array, a dtype, a scalar type such as ``np.float32``, or a dtype name) is e4m3."""
+    return jnp.dtype(x if isinstance(x, type) else getattr(x, "dtype", x)) == jnp.dtype(E4M3)
 
 
 def quantize_kv(x: jax.Array, scale: jax.Array | float) -> jax.Array:
@@ -96,7 +95,7 @@ def masked_row_absmax(token_absmax: jax.Array, mask: jax.Array) -> jax.Array:
 
     Args:
       token_absmax: float32 ``[L, 3, B, S]``: per layer, (q, k, v) max-abs over heads and head_dim per token
-        (what :func:`fp8rl_jax.models.decoder.pop_qkv_absmax` returns).
+        (what :func:`fp8rl_jax.models.decoder.qkv_absmax_from_intermediates` returns).
       mask: ``[B, S]`` bool/float, nonzero on real tokens (prompt and response, not padding).
 
     Returns:
@@ -152,17 +151,6 @@ class KVScales(NamedTuple):
     k_scale: Any
     v_scale: Any
     q_scale: Any
-
-    @property
-    def num_layers(self) -> int:
-        """Number of layers."""
-        return int(np.shape(self.k_scale)[0])
-
-    @classmethod
-    def ones(cls, num_layers: int) -> "KVScales":
-        """All scales 1.0 (vLLM's default when a checkpoint has none)."""
-        o = np.ones((num_layers,), np.float32)
-        return cls(o, o.copy(), o.copy())
 
     @classmethod
     def from_amax(cls, amax: np.ndarray, margin: float = 1.0, fp8_max: float = E4M3_MAX) -> "KVScales":
