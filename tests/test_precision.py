@@ -146,6 +146,24 @@ def test_bf16_and_fp8_numerics_against_references(tiny_dir, batch):
         apply_train_precision(f8.model, "fp4")
 
 
+def test_fp8_training_leaves_the_moe_router_dense():
+    """FP8 training puts its product on exactly the linears the FP8 export quantizes: Qwen3-MoE experts and
+    attention get it, the router ``mlp.gate`` (unquantized in the export, as in verl) keeps the plain product."""
+    from fp8rl_jax.export import is_quantized_linear
+    from fp8rl_jax.models.decoder import CausalLM
+    from fp8rl_jax.models.moe import tiny_qwen3_moe_config
+
+    model = CausalLM(tiny_qwen3_moe_config(64), dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    dg = apply_train_precision(model, "fp8")
+    assert dg is not None and not is_quantized_linear("model.layers.0.mlp.gate.weight")
+    for layer in model.model.layers:
+        assert layer.mlp.gate.dot_general is None  # router: plain einsum, never FP8
+        assert layer.self_attn.q_proj.dot_general is dg
+        for e in layer.mlp.experts:
+            assert e.gate_proj.dot_general is e.up_proj.dot_general is e.down_proj.dot_general is dg
+    assert model.lm_head.dot_general is None
+
+
 def test_fp16_overflow_skips_the_step_and_halves_the_scale(tiny_dir, batch):
     """A huge loss scale overflows float16 cotangents: the update is skipped (params, optax state unchanged)
     and the scale halves; with a sane scale the fp16 update matches the float32 trainer's."""

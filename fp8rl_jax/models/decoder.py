@@ -25,7 +25,7 @@ import numpy as np
 from flax import nnx
 
 from fp8rl_jax.fp8 import BLOCK_SIZE, E4M3, w8a8_block_matmul
-from fp8rl_jax.fp8.kv_cache import dequantize_kv, quantize_kv
+from fp8rl_jax.fp8.kv_cache import dequantize_kv, is_fp8_cache, quantize_kv
 from fp8rl_jax.models.config import ModelConfig
 
 LINEAR_PRECISIONS = ("dense", "fp8")
@@ -57,7 +57,7 @@ class KVCache(NamedTuple):
           ValueError: an e4m3 ``dtype`` without ``k_scale``/``v_scale``, or scales not of shape ``[num_layers]``.
         """
         shape = (batch, max_len, cfg.num_key_value_heads, cfg.head_dim)
-        if jnp.dtype(dtype) == jnp.dtype(E4M3) and (k_scale is None or v_scale is None):
+        if is_fp8_cache(dtype) and (k_scale is None or v_scale is None):
             raise ValueError("an fp8_e4m3 KV cache needs per-layer k_scale and v_scale")
         for name, sc in (("k_scale", k_scale), ("v_scale", v_scale), ("q_scale", q_scale)):
             if sc is not None and tuple(jnp.shape(sc)) != (cfg.num_hidden_layers,):
@@ -180,7 +180,8 @@ class Attention(nnx.Module):
         else:
             self.q_norm = self.k_norm = None
         # When True (see :func:`set_qkv_capture`), a cache-less forward sows the per-token max |q|, |k|, |v|
-        # (after QK-norm and RoPE) for FP8 KV-scale calibration; read it with ``nnx.capture`` (pop_qkv_absmax).
+        # (after QK-norm and RoPE) for FP8 KV-scale calibration; read it with ``nnx.capture`` and
+        # :func:`qkv_absmax_from_intermediates`.
         self.capture_qkv_absmax = False
 
     def __call__(self, x, positions, inv_freq, kv_mask, q_slots, cache_kv=None, cache_index=None):
@@ -206,7 +207,7 @@ class Attention(nnx.Module):
         if cache_kv is not None:
             ck, cv = cache_kv[0], cache_kv[1]
             ks, vs, qs = (tuple(cache_kv[2:]) + (None, None, None))[:3]
-            if ck.dtype == jnp.dtype(E4M3):
+            if is_fp8_cache(ck):
                 if ks is None or vs is None:
                     raise ValueError("an fp8_e4m3 KV cache needs k_scale and v_scale")
                 ck = jax.lax.dynamic_update_slice(ck, quantize_kv(k, ks), (0, cache_index, 0, 0))
@@ -236,15 +237,23 @@ class Attention(nnx.Module):
 
 
 class MLP(nnx.Module):
-    """SwiGLU: ``down_proj(silu(gate_proj(x)) * up_proj(x))``."""
+    """SwiGLU: ``down_proj(silu(gate_proj(x)) * up_proj(x))``.
 
-    def __init__(self, cfg: ModelConfig, *, linear_precision: str, param_dtype, dtype, rngs: nnx.Rngs):
+    ``gate_proj``/``up_proj`` are ``[I, hidden]`` and ``down_proj`` ``[hidden, I]`` :class:`Linear` layers (dense
+    or FP8 blockwise), with ``I = intermediate_size`` (default ``cfg.intermediate_size``; a Qwen3-MoE expert
+    passes ``cfg.moe_intermediate_size``, giving the checkpoint names ``mlp.experts.{j}.{gate,up,down}_proj``).
+    """
+
+    def __init__(self, cfg: ModelConfig, *, intermediate_size: int | None = None, linear_precision: str,
+                 param_dtype, dtype, rngs: nnx.Rngs):
+        inter = cfg.intermediate_size if intermediate_size is None else intermediate_size
         lin = dict(precision=linear_precision, param_dtype=param_dtype, dtype=dtype, rngs=rngs)
-        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, **lin)
-        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, **lin)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, **lin)
+        self.gate_proj = Linear(cfg.hidden_size, inter, **lin)
+        self.up_proj = Linear(cfg.hidden_size, inter, **lin)
+        self.down_proj = Linear(inter, cfg.hidden_size, **lin)
 
     def __call__(self, x):
+        """``x [..., hidden] -> [..., hidden]``."""
         return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
 
 

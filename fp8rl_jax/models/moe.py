@@ -12,7 +12,8 @@ Semantics follow ``transformers`` ``Qwen3MoeSparseMoeBlock`` / ``Qwen3MoeTopKRou
 Parameter layout. Parameters live at exactly the per-expert checkpoint names that HF checkpoints on disk and
 vLLM's loader use (``model.layers.{i}.mlp.experts.{j}.gate_proj.weight`` ``[moe_intermediate_size, hidden]``,
 ``up_proj`` the same, ``down_proj`` ``[hidden, moe_intermediate_size]``, router ``model.layers.{i}.mlp.gate.weight``
-``[num_experts, hidden]``), one :class:`~fp8rl_jax.models.decoder.Linear` per expert projection. vLLM's
+``[num_experts, hidden]``), one :class:`~fp8rl_jax.models.decoder.Linear` per expert projection (each expert is a
+:class:`~fp8rl_jax.models.decoder.MLP` of size ``moe_intermediate_size``). vLLM's
 ``RoutedExperts.build_expert_params_mapping`` maps ``experts.{j}.gate_proj.`` / ``up_proj.`` to the fused
 ``experts.w13_*`` shards ``w1`` / ``w3`` and ``experts.{j}.down_proj.`` to ``experts.w2_*`` (``w2``), for
 ``weight`` and (FP8 blockwise) ``weight_scale_inv`` alike. Keeping per-expert variables means every name-based
@@ -69,26 +70,6 @@ def route_top_k(router_logits: jax.Array, top_k: int, norm_topk_prob: bool) -> t
     return weights, ids.astype(jnp.int32)
 
 
-class Expert(nnx.Module):
-    """One SwiGLU expert: ``gate_proj``/``up_proj`` ``[moe_intermediate_size, hidden]``, ``down_proj`` ``[hidden, I]``.
-
-    The three are :class:`~fp8rl_jax.models.decoder.Linear` (dense or FP8 blockwise), so their NNX paths are
-    the checkpoint names ``mlp.experts.{j}.{gate,up,down}_proj.weight`` (+ ``weight_scale_inv`` in FP8).
-    """
-
-    def __init__(self, hidden: int, intermediate: int, *, linear_precision: str, param_dtype, dtype, rngs: nnx.Rngs):
-        from fp8rl_jax.models.decoder import Linear
-
-        lin = dict(precision=linear_precision, param_dtype=param_dtype, dtype=dtype, rngs=rngs)
-        self.gate_proj = Linear(hidden, intermediate, **lin)
-        self.up_proj = Linear(hidden, intermediate, **lin)
-        self.down_proj = Linear(intermediate, hidden, **lin)
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        """Per-expert reference path: ``x [..., hidden] -> [..., hidden]``."""
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
 def _stacked_kn(linears, dtype) -> jax.Array:
     """Stack per-expert ``[N, K]`` weights (dense or e4m3 + ``weight_scale_inv``) as ``[E, K, N]`` in ``dtype``."""
     first = linears[0]
@@ -117,7 +98,7 @@ class SparseMoeBlock(nnx.Module):
     """
 
     def __init__(self, cfg: ModelConfig, *, linear_precision: str, param_dtype, dtype, rngs: nnx.Rngs):
-        from fp8rl_jax.models.decoder import Linear
+        from fp8rl_jax.models.decoder import MLP, Linear
 
         if cfg.num_experts <= 0 or cfg.num_experts_per_tok <= 0:
             raise ValueError(f"SparseMoeBlock needs num_experts > 0 and num_experts_per_tok > 0, got "
@@ -126,17 +107,21 @@ class SparseMoeBlock(nnx.Module):
         self.dtype, self.precision = dtype, linear_precision
         self.gate = Linear(cfg.hidden_size, cfg.num_experts, precision="dense", param_dtype=param_dtype, dtype=dtype,
                            rngs=rngs)
-        self.experts = nnx.List([Expert(cfg.hidden_size, cfg.moe_intermediate_size, linear_precision=linear_precision,
-                                        param_dtype=param_dtype, dtype=dtype, rngs=rngs)
+        # One SwiGLU MLP per expert (``[moe_intermediate_size, hidden]`` gate/up, ``[hidden, I]`` down): NNX paths
+        # ``mlp.experts.{j}.{gate,up,down}_proj.weight`` (+ ``weight_scale_inv`` in FP8), the checkpoint names.
+        self.experts = nnx.List([MLP(cfg, intermediate_size=cfg.moe_intermediate_size,
+                                     linear_precision=linear_precision, param_dtype=param_dtype, dtype=dtype,
+                                     rngs=rngs)
                                  for _ in range(cfg.num_experts)])
 
     def router(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """``x [T, hidden]`` -> ``(router_logits [T, E] dtype, weights [T, k] float32, expert_ids [T, k] int32)``.
 
-        The logits are a plain einsum on ``gate.weight`` in the compute dtype, ignoring any ``dot_general``
-        a training-precision pass may have set on the ``Linear``: the router is never run in FP8.
+        The logits are ``gate(x)``, the dense router ``Linear`` in the compute dtype. The router is never run in
+        FP8: the FP8 export leaves ``mlp.gate`` unquantized and FP8 training
+        (:func:`fp8rl_jax.trainer.precision.apply_train_precision`) skips it for the same reason.
         """
-        logits = jnp.einsum("tk,ek->te", x.astype(self.dtype), self.gate.weight[...].astype(self.dtype))
+        logits = self.gate(x)
         w, ids = route_top_k(logits, self.top_k, self.norm_topk_prob)
         return logits, w, ids
 

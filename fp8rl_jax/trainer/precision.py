@@ -7,8 +7,8 @@ One config switch (``train.train_precision``) picks, for the trainer's model,
 * the product of every decoder-layer linear (``q/k/v/o_proj``, ``gate/up/down_proj``): ``jax.lax``'s for
   float32/bf16/fp16; for ``fp8`` the FP8 training ``dot_general`` of :mod:`fp8rl_jax.fp8.training` (forward W8A8
   blockwise e4m3 — activations 1x128 groups, weights 128x128 blocks — backward in bf16 through a custom VJP),
-  the "FP8 end-to-end" setting of the FP8-RL report (arXiv 2601.18150, Experiment 5). Embeddings, norms and
-  ``lm_head`` stay in the compute dtype, as in the rollout export;
+  the "FP8 end-to-end" setting of the FP8-RL report (arXiv 2601.18150, Experiment 5). Embeddings, norms,
+  ``lm_head`` and the MoE router ``mlp.gate`` stay in the compute dtype, as in the rollout export;
 * for ``fp16`` only: dynamic loss scaling with overflow-skip, the standard recipe of mixed-precision training
   (Micikevicius et al. 2018, "Mixed Precision Training", Sec. 3.2; the semantics of PyTorch's ``GradScaler``
   and of ``jmp.DynamicLossScale``) that the FP16 RL reports ("Defeating the Training-Inference Mismatch via
@@ -47,8 +47,10 @@ def apply_train_precision(model: nnx.Module, precision: str, *, fp8_grad: str = 
 
     For ``"fp8"`` one FP8 training ``dot_general`` (:func:`fp8rl_jax.fp8.training.make_fp8_train_dot_general`,
     e4m3 blockwise forward, ``fp8_grad`` backward) is built and set as the ``dot_general`` of every
-    ``q/k/v/o_proj`` and ``gate/up/down_proj`` :class:`fp8rl_jax.models.decoder.Linear`; ``lm_head`` is left
-    dense. Other precisions leave the einsum path (``dot_general = None``).
+    ``q/k/v/o_proj`` and ``gate/up/down_proj`` :class:`fp8rl_jax.models.decoder.Linear` (Qwen3-MoE experts
+    included). Exactly the linears that the FP8 export quantizes get it
+    (:func:`fp8rl_jax.export.is_quantized_linear`): ``lm_head`` and the MoE router ``mlp.gate`` are left dense,
+    as in the FP8 rollout. Other precisions leave the einsum path (``dot_general = None``).
 
     Args:
       model: a dense :class:`fp8rl_jax.models.decoder.CausalLM` (float master params).
@@ -61,7 +63,8 @@ def apply_train_precision(model: nnx.Module, precision: str, *, fp8_grad: str = 
     Raises:
       ValueError: unknown precision or ``fp8_grad``; a model with FP8 (pre-quantized) linears.
     """
-    from fp8rl_jax.models.decoder import Linear
+    from fp8rl_jax.export import is_quantized_linear
+    from fp8rl_jax.models.decoder import Linear, param_name
 
     compute_dtype(precision)
     dg = None
@@ -71,7 +74,9 @@ def apply_train_precision(model: nnx.Module, precision: str, *, fp8_grad: str = 
         dg = make_fp8_train_dot_general(fp8_grad)
     n = 0
     for path, mod in nnx.iter_graph(model):
-        if isinstance(mod, Linear) and "layers" in path:
+        # The HF name of the weight, from ``layers`` on (``model.layers.{i}...`` in a CausalLM).
+        if (isinstance(mod, Linear) and "layers" in path
+                and is_quantized_linear(f"model.{param_name(path[path.index('layers'):])}.weight")):
             if mod.precision != "dense":
                 raise ValueError(f"training precision needs dense linears; {'.'.join(map(str, path))} is "
                                  f"{mod.precision!r}")
