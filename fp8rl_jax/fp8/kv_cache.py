@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fp8rl_jax.fp8.formats import E4M3, E4M3_MAX
+from fp8rl_jax.fp8.formats import E4M3, E4M3_MAX, scale_values
 
 # vLLM spells e4m3 as "fp8" too (CUDA: "fp8" == "fp8_e4m3").
 _KV_ALIASES = {"auto": "auto", "bf16": "auto", "bfloat16": "auto", "fp8": "fp8_e4m3", "fp8_e4m3": "fp8_e4m3"}
@@ -72,7 +72,8 @@ def quantize_kv(x: jax.Array, scale: jax.Array | float) -> jax.Array:
     """Quantize keys/values (or queries) to e4m3 with a scalar dequantization scale.
 
     ``q = e4m3(clip(x / scale, -448, 448))`` computed in float32 with round-to-nearest-even, the saturating
-    conversion of vLLM's cache write (``scaled_convert`` with ``__NV_SATFINITE``).
+    conversion of vLLM's cache write (``scaled_convert`` with ``__NV_SATFINITE``): the project's quantizer
+    :func:`fp8rl_jax.fp8.formats.scale_values` (``CONTRACT`` recipe: a correctly rounded ``x / scale``).
 
     Args:
       x: any float array, e.g. ``[B, S, H_kv, D]`` (bf16/f32).
@@ -81,8 +82,7 @@ def quantize_kv(x: jax.Array, scale: jax.Array | float) -> jax.Array:
     Returns:
       ``float8_e4m3fn`` array of ``x``'s shape.
     """
-    s = jnp.asarray(scale, jnp.float32)
-    return jnp.clip(x.astype(jnp.float32) / s, -E4M3_MAX, E4M3_MAX).astype(E4M3)
+    return scale_values(x, jnp.asarray(scale, jnp.float32))
 
 
 def dequantize_kv(q: jax.Array, scale: jax.Array | float, dtype=jnp.bfloat16) -> jax.Array:
