@@ -118,11 +118,10 @@ def run_cell(engine: str, size: str, precision: str, batches: list[int], max_tok
     if engine == "embedded":
         from fp8rl_jax.rollout.engine import JaxRolloutEngine
 
-        eng = JaxRolloutEngine(cfg, weights, precision=precision if precision in ("bf16", "float32") else "fp8",
-                               pad_token_id=pad,
+        served = precision if precision in ("bf16", "float32") else "fp8"
+        eng = JaxRolloutEngine(cfg, weights, precision=served, pad_token_id=pad,
                                kv_cache_dtype=kv_dtype, kv_cache_memory_bytes=kv_cache_memory_bytes,
                                max_model_len=max_len, log_kv_cache=False)
-        served = precision if precision in ("bf16", "float32") else "fp8"
     else:
         from rollout_bridge.vllm_engine import VllmRolloutEngine
 
@@ -161,26 +160,31 @@ def run_cell(engine: str, size: str, precision: str, batches: list[int], max_tok
 
 
 def memory_table() -> list[dict]:
-    """Exported weight bytes (bf16 vs FP8 blockwise) and KV tokens per GiB, from shapes alone."""
+    """Exported weight bytes (bf16 vs FP8 blockwise) and KV tokens per GiB, from shapes alone.
+
+    Weight bytes are those of the real exporter's output (:func:`fp8rl_jax.export.export_weights`, traced with
+    ``jax.eval_shape``: nothing is allocated).
+    """
     import math
 
-    from fp8rl_jax.export import is_quantized_linear
+    import jax
+    import jax.numpy as jnp
+
+    from fp8rl_jax.export import export_weights
     from fp8rl_jax.fp8.kv_cache import kv_cache_capacity
     from fp8rl_jax.models.config import hf_param_shapes
-    from fp8rl_jax.models.loading import load_checkpoint
+    from fp8rl_jax.models.loading import load_model_config
+
+    def export_bytes(cfg, fmt):
+        params = {k: jax.ShapeDtypeStruct(s, jnp.bfloat16) for k, s in hf_param_shapes(cfg).items()}
+        out = jax.eval_shape(lambda p: export_weights(p, fmt, check_finite=False).tensors, params)
+        return sum(math.prod(t.shape) * t.dtype.itemsize for t in out.values())
 
     out = []
-    cfgs = {"135m": load_checkpoint("smollm2-135m-instruct")[0]}
+    cfgs = {"135m": load_model_config("smollm2-135m-instruct")}
     cfgs.update({k: qwen3_config(k) for k in QWEN3})
     for name, cfg in cfgs.items():
-        bf16 = fp8 = 0
-        for hf, shape in hf_param_shapes(cfg).items():
-            n = math.prod(shape)
-            bf16 += 2 * n
-            if is_quantized_linear(hf):
-                fp8 += n + 4 * math.ceil(shape[0] / 128) * math.ceil(shape[1] / 128)
-            else:
-                fp8 += 2 * n
+        bf16, fp8 = export_bytes(cfg, "bf16"), export_bytes(cfg, "fp8_blockwise")
         cap = {d: kv_cache_capacity(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, 2**30, d,
                                     "bfloat16", 4096).num_tokens for d in ("auto", "fp8_e4m3")}
         out.append({"model": name, "weights_bf16_GiB": bf16 / 2**30, "weights_fp8_GiB": fp8 / 2**30,

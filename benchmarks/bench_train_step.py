@@ -32,8 +32,11 @@ import tempfile
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
 
 from _common import cpu_description  # noqa: E402
+
+from fp8rl_jax.trainer.logging import read_metrics  # noqa: E402
 
 PHASES = ("rollout_s", "reward_s", "old_logprobs_s", "train_s", "sync_s", "step_s")
 VARIANTS = {
@@ -49,9 +52,8 @@ def summarize(metrics: list[dict], batch: int) -> dict:
     out = {p: statistics.median(m[f"timing/{p}"] for m in steady) for p in PHASES if f"timing/{p}" in steady[0]}
     resp = statistics.median(m["response_length/mean"] * batch for m in steady)
     out["response_tokens_per_step"] = resp
-    if "prompt_length/mean" in steady[0]:
-        prompt = statistics.median(m["prompt_length/mean"] * batch for m in steady)
-        out["tokens_per_s"] = (prompt + resp) / out["step_s"]
+    prompt = statistics.median(m["prompt_length/mean"] * batch for m in steady)
+    out["tokens_per_s"] = (prompt + resp) / out["step_s"]
     out["response_tokens_per_s"] = resp / out["step_s"]
     out["gen_tokens_per_s"] = resp / out["rollout_s"]
     out["rollout_share"] = out["rollout_s"] / out["step_s"]
@@ -80,8 +82,7 @@ def main(argv=None):
             proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
             if proc.returncode:
                 raise SystemExit(f"{v} run failed (rc {proc.returncode}):\n{proc.stderr[-3000:]}")
-            with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-                metrics = [json.loads(ln) for ln in f if ln.strip()]
+            metrics = read_metrics(os.path.join(run_dir, "metrics.jsonl"))
             with open(os.path.join(run_dir, "config.gin")) as f:
                 gin_txt = f.read()
         batch = 1

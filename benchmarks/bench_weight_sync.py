@@ -174,7 +174,7 @@ def bench_size(size: str, repeats: int, with_vllm: bool, device: str) -> dict:
     tensors = {k: jax_to_torch(w.tensors[k]) for k in order_by_layer(w.tensors)}
     if device == "cuda":
         tensors = {k: v.cuda() for k, v in tensors.items()}
-    nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    nbytes = w.nbytes
     row = {"size": size, "params_M": sum(int(np.prod(s)) for s in hf_param_shapes(cfg).values()) / 1e6,
            "tensors": len(tensors), "payload_MB": nbytes / 2**20}
     dst = {k: torch.empty_like(v) for k, v in tensors.items()}

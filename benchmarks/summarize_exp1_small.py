@@ -14,21 +14,19 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import shutil
 import sys
 
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from _common import cpu_description  # noqa: E402
+
+from fp8rl_jax.trainer.logging import read_metrics  # noqa: E402
 
 CONDITIONS = {"fp8_tis": "FP8 W8A8 + token TIS (C=2)", "fp8_notis": "FP8 W8A8, no TIS", "bf16": "bf16 rollout"}
 COLORS = {"fp8_tis": "tab:orange", "fp8_notis": "tab:green", "bf16": "tab:blue"}
-
-
-def _load(path: str) -> list[dict]:
-    with open(path) as f:
-        return [json.loads(ln) for ln in f if ln.strip()]
 
 
 def main(runs_dir: str, out_dir: str) -> None:
@@ -41,7 +39,7 @@ def main(runs_dir: str, out_dir: str) -> None:
             path = os.path.join(runs_dir, name, "metrics.jsonl")
             if not os.path.isfile(path):
                 continue
-            hist = _load(path)
+            hist = read_metrics(path)
             seed = int(name.rsplit("seed", 1)[1])
             curves.setdefault(cond, {})[seed] = {
                 "reward": [m["reward/mean"] for m in hist], "k3_kl": [m["rollout_corr/k3_kl"] for m in hist],
@@ -62,7 +60,7 @@ def main(runs_dir: str, out_dir: str) -> None:
                          "reward_gain_sd": sd(np.subtract(last, first).tolist()),
                          "k3_kl_mean": float(np.mean(k3)), "k3_kl_sd": sd(k3),
                          "step_s_median": float(np.median([s for c in seeds.values() for s in c["step_s"][1:n]]))}
-    device = f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
+    device = f"CPU ({cpu_description()})"
     with open(os.path.join(out_dir, "exp1_small.json"), "w") as f:
         json.dump({"device": device, "config": "configs/paper/exp1_dense_w8a8_small.gin", "summary": summary,
                    "curves": {c: {str(s): v for s, v in d.items()} for c, d in curves.items()}}, f, indent=2)

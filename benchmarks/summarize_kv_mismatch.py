@@ -16,6 +16,12 @@ import sys
 
 import numpy as np
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from _common import cpu_description  # noqa: E402
+
+from fp8rl_jax.trainer.logging import read_metrics  # noqa: E402
+
 RUNS = [("bf16", "bf16 rollout"), ("fp8", "FP8 linear"), ("fp8_kv", "FP8 linear + FP8 KV cache")]
 
 
@@ -29,7 +35,7 @@ def main(runs_dir: str, out_dir: str) -> None:
             p = os.path.join(d, "metrics.jsonl")
             if not os.path.exists(p):
                 continue
-            lines = [json.loads(x) for x in open(p).read().splitlines() if x.strip()]
+            lines = read_metrics(p)
             if lines:
                 found[(cfg, tis)] = lines
                 shutil.copy(p, os.path.join(out_dir, f"{cfg}_tis_{tis}_metrics.jsonl"))
@@ -54,7 +60,7 @@ def main(runs_dir: str, out_dir: str) -> None:
             print(f"| {label} | {tis} | {steps} | {row['k3_kl_mean']:.3e} | {row['kl_mean']:.3e} | "
                   f"{row['reward_mean']:.3f} |")
     with open(os.path.join(out_dir, "kv_mismatch.json"), "w") as f:
-        json.dump({"device": "cpu (2 cores, shared)", "model": "smollm2-135m-instruct", "rows": rows}, f, indent=2)
+        json.dump({"device": f"CPU ({cpu_description()}, shared)", "model": "smollm2-135m-instruct", "rows": rows}, f, indent=2)
 
 
 if __name__ == "__main__":

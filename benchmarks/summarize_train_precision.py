@@ -13,21 +13,24 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import shutil
 import sys
 
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "train_precision_cpu")
 
 
 def main(run_dirs):
     from fp8rl_jax.trainer.logging import read_metrics
 
+    from _common import cpu_description
+    from _plots import plot_curves
+
     os.makedirs(OUT, exist_ok=True)
-    rows = []
+    rows, curves = [], {}
     for d in run_dirs:
         hist = read_metrics(os.path.join(d, "metrics.jsonl"))
         if not hist:
@@ -37,6 +40,7 @@ def main(run_dirs):
                      if ln.startswith("train.train_precision")), "float32")
         rollout = next((ln.split("=")[1].strip().strip("'\"") for ln in gin_txt.splitlines()
                         if ln.startswith("train.rollout_precision")), "?")
+        curves[prec] = hist
         r = [m["reward/mean"] for m in hist]
         k = min(5, max(1, len(r) // 2))
         rows.append({"run_dir": d, "train_precision": prec, "rollout_precision": rollout, "steps": len(hist),
@@ -48,7 +52,7 @@ def main(run_dirs):
         shutil.copy(os.path.join(d, "metrics.jsonl"), os.path.join(OUT, f"{prec}_metrics.jsonl"))
         for png in os.listdir(os.path.join(d, "plots")) if os.path.isdir(os.path.join(d, "plots")) else []:
             shutil.copy(os.path.join(d, "plots", png), os.path.join(OUT, f"{prec}_{png}"))
-    device = f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores, shared)"
+    device = f"CPU ({cpu_description()}, shared)"
     with open(os.path.join(OUT, "train_precision_cpu.json"), "w") as f:
         json.dump({"device": device, "runs": [{k: v for k, v in r.items() if k != "run_dir"} for r in rows]}, f, indent=2)
     lines = ["# Quickstart (SmolLM2-135M, chain_sum, FP8 rollout) by training precision", "",
@@ -67,10 +71,6 @@ def main(run_dirs):
         lines.append(f"| {r['train_precision']} | {r['rollout_precision']} | {r['steps']} | {r['reward_first']:.3f} (k={r['k']}) | "
                      f"{r['reward_last']:.3f} | {r['k3_kl_mean']:.4f} | {r['kl_mean']:.4f} | {r['skipped_steps']:.0f} | "
                      f"{r['step_s_median']:.1f} |")
-    curves = {r["train_precision"]: read_metrics(os.path.join(r["run_dir"], "metrics.jsonl")) for r in rows}
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from _plots import plot_curves
-
     plot_curves({f"{p} training": [[m["reward/mean"] for m in h]] for p, h in curves.items()},
                 os.path.join(OUT, "reward.png"), "reward (mean of 32 samples)")
     plot_curves({f"{p} training": [[m["rollout_corr/k3_kl"] for m in h]] for p, h in curves.items()},
