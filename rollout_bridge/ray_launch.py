@@ -371,8 +371,9 @@ def start(config, *, num_rollout_actors: int = 1, rollout_engine: str = "jax", t
       address: existing cluster (``"auto"``, ``"ray://head:10001"``); None starts a local cluster.
       cpus_per_actor, gpus_per_actor: resources of every bundle (trainer and rollout alike).
       engine_kwargs: rollout engine arguments (default: from ``config``: precision, seed, KV cache).
-      weight_target: what actors load (default ``"native"`` for ``"jax"``, ``"auto"`` -> ``"fp8"`` with GPUs else
-        ``"bf16"`` for ``"vllm"``).
+      weight_target: what actors load (default ``"native"`` for ``"jax"``; for ``"vllm"`` the rollout precision,
+        with ``"fp8"`` resolved by :func:`rollout_bridge.vllm_engine.resolve_weight_target`: ``"fp8"`` with GPUs
+        and a 128-aligned architecture, else ``"bf16"``).
       ray_init_kwargs: extra ``ray.init`` arguments (``num_cpus``, ``_temp_dir``, ...).
       placement_timeout_s: seconds to wait for the placement group.
       client_kwargs: extra :class:`RayRolloutClient` arguments (timeouts, bucket size, backend).
@@ -421,9 +422,13 @@ def start(config, *, num_rollout_actors: int = 1, rollout_engine: str = "jax", t
                                  kv_cache_memory_bytes=config.kv_cache_memory_bytes)
     _fill_token_ids(config, engine_kwargs)
     if weight_target is None:
-        weight_target = "native" if rollout_engine == "jax" else ("fp8" if gpus_per_actor else "bf16")
-        if rollout_engine == "vllm" and config.rollout_precision != "fp8":
-            weight_target = config.rollout_precision
+        if rollout_engine == "jax":
+            weight_target = "native"
+        else:  # the rollout actors' engines resolve "auto" the same way (CUDA exactly when GPUs are bundled)
+            from rollout_bridge.vllm_engine import resolve_weight_target
+
+            weight_target = resolve_weight_target("auto" if config.rollout_precision == "fp8"
+                                                  else config.rollout_precision, model_cfg, bool(gpus_per_actor))
     if rollout_engine == "vllm":
         engine_kwargs.setdefault("weight_target", weight_target)
     opts = dict(num_cpus=cpus_per_actor, num_gpus=gpus_per_actor)

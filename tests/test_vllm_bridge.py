@@ -281,6 +281,18 @@ ALIGNED = ModelConfig(model_type="llama", vocab_size=256, hidden_size=128, inter
                       num_attention_heads=4, num_key_value_heads=4, head_dim=32, eos_token_id=3, pad_token_id=0)
 
 
+def test_weight_target_auto_serves_fp8_only_where_vllm_can_load_it():
+    """One "auto" rule for the engine and the Ray launcher: FP8 needs CUDA and 128-row-aligned shards."""
+    from rollout_bridge.vllm_engine import fp8_block_alignment_problems, resolve_weight_target
+
+    bad = dataclasses.replace(ALIGNED, num_key_value_heads=2)
+    assert fp8_block_alignment_problems(bad) and not fp8_block_alignment_problems(ALIGNED)
+    assert resolve_weight_target("auto", ALIGNED, cuda=True) == "fp8"
+    assert resolve_weight_target("auto", bad, cuda=True) == "bf16"
+    assert resolve_weight_target("auto", ALIGNED, cuda=False) == "bf16"
+    assert resolve_weight_target("float32", bad, cuda=True) == "float32"
+
+
 def test_fp8_export_is_accepted_by_vllm_fp8_block_loader(trainer):
     """Our FP8 export through vLLM's own Fp8LinearMethod parameters and fused-layer weight loaders."""
     import torch
