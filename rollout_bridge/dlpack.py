@@ -27,7 +27,6 @@ shapes and dtypes equal to the first sync's).
 from __future__ import annotations
 
 import functools
-import re
 from typing import Any
 
 import jax
@@ -35,10 +34,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from fp8rl_jax.fp8 import dequantize_weight_blockwise
+from fp8rl_jax.fp8.kv_cache import parse_kv_scale
 from fp8rl_jax.rollout.types import ExportedWeights
 
 TARGETS = ("fp8", "bf16", "float32")
-KV_SCALE_RE = re.compile(r"^model\.layers\.(\d+)\.self_attn\.(k_scale|v_scale|q_scale)$")
 SCALE_SUFFIX = "_scale_inv"
 
 
@@ -85,20 +84,16 @@ def split_kv_scales(tensors: dict[str, Any]) -> tuple[dict[str, Any], dict[int, 
       ``(weights without the scales, {layer_index: {"k_scale": float, ...}})``.
 
     Raises:
-      ValueError: a KV scale that is not a positive finite scalar (named).
+      ValueError: a KV scale that is not a positive finite scalar (named; :func:`fp8rl_jax.fp8.kv_cache.parse_kv_scale`).
     """
     weights, scales = {}, {}
     for name, t in tensors.items():
-        m = KV_SCALE_RE.match(name)
-        if m is None:
+        parsed = parse_kv_scale(name, t)
+        if parsed is None:
             weights[name] = t
             continue
-        if int(np.prod(np.shape(t))) != 1:
-            raise ValueError(f"KV scale {name} must be a scalar, got shape {tuple(np.shape(t))}")
-        v = float(np.asarray(t, np.float32).reshape(()))
-        if not np.isfinite(v) or v <= 0:
-            raise ValueError(f"KV scale {name} must be positive and finite, got {v}")
-        scales.setdefault(int(m.group(1)), {})[m.group(2)] = v
+        layer, kind, v = parsed
+        scales.setdefault(layer, {})[f"{kind}_scale"] = v
     return weights, scales
 
 

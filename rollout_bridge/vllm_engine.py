@@ -34,11 +34,11 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from fp8rl_jax.fp8.kv_cache import normalize_kv_cache_dtype
+from fp8rl_jax.fp8.kv_cache import is_kv_scale_name, normalize_kv_cache_dtype
 from fp8rl_jax.models.config import ModelConfig, hf_param_shapes
 from fp8rl_jax.rollout.engine import check_weights_current
 from fp8rl_jax.rollout.types import ExportedWeights, RolloutBatch, SamplingParams, check_prompt_token_ids
-from rollout_bridge.dlpack import KV_SCALE_RE, Signature, check_same_signature, tensor_signature, torch_sync_tensors
+from rollout_bridge.dlpack import Signature, check_same_signature, tensor_signature, torch_sync_tensors
 from rollout_bridge.transports import SyncStats, ThreadReceiver, Transport, WeightSyncError, make_transport
 
 EXTENSION = "rollout_bridge.vllm_worker.WeightSyncExtension"
@@ -216,7 +216,7 @@ class VllmRolloutEngine:
         if self._signature is None:
             sig = tensor_signature(weights.tensors)
             want = hf_param_shapes(self.config)
-            dense = {k: v[0] for k, v in sig.items() if not k.endswith("_scale_inv") and not KV_SCALE_RE.match(k)}
+            dense = {k: v[0] for k, v in sig.items() if not k.endswith("_scale_inv") and not is_kv_scale_name(k)}
             missing, extra = sorted(set(want) - set(dense)), sorted(set(dense) - set(want))
             if missing or extra:
                 raise ValueError(f"exported weights do not match the {self.config.model_type} architecture: "

@@ -192,17 +192,12 @@ class KVScales(NamedTuple):
         """
         found: dict[str, dict[int, float]] = {"q": {}, "k": {}, "v": {}}
         for name, val in tensors.items():
-            m = _SCALE_NAME.match(name)
-            if not m:
+            parsed = parse_kv_scale(name, val)
+            if parsed is None:
                 continue
-            i, kind = int(m.group(1)), m.group(2)
+            i, kind, v = parsed
             if i >= num_layers:
                 raise ValueError(f"{name}: layer {i} does not exist (model has {num_layers} layers)")
-            if int(np.prod(np.shape(val))) != 1:
-                raise ValueError(f"{name} must be a scalar, got shape {tuple(np.shape(val))}")
-            v = float(np.asarray(val, np.float32).reshape(()))
-            if not (math.isfinite(v) and v > 0):
-                raise ValueError(f"{name} must be finite and > 0, got {v}")
             found[kind][i] = v
         if not found["k"] and not found["v"]:
             return None
@@ -219,6 +214,27 @@ class KVScales(NamedTuple):
 def is_kv_scale_name(name: str) -> bool:
     """True for ``model.layers.{i}.self_attn.{q,k,v}_scale`` (or the ``...self_attn.attn.`` spelling)."""
     return bool(_SCALE_NAME.match(name))
+
+
+def parse_kv_scale(name: str, value: Any) -> tuple[int, str, float] | None:
+    """``(layer, "q"|"k"|"v", scale)`` for a KV-scale tensor (:func:`is_kv_scale_name`), else ``None``.
+
+    Args:
+      name: HF tensor name, e.g. ``model.layers.3.self_attn.k_scale``.
+      value: its value, a scalar (any shape with one element; numpy, JAX or torch-convertible).
+
+    Raises:
+      ValueError: a KV-scale name whose value is not a scalar, or not finite and > 0 (named).
+    """
+    m = _SCALE_NAME.match(name)
+    if not m:
+        return None
+    if int(np.prod(np.shape(value))) != 1:
+        raise ValueError(f"{name} must be a scalar, got shape {tuple(np.shape(value))}")
+    v = float(np.asarray(value, np.float32).reshape(()))
+    if not (math.isfinite(v) and v > 0):
+        raise ValueError(f"{name} must be finite and > 0, got {v}")
+    return int(m.group(1)), m.group(2), v
 
 
 def calibrate_kv_scales(row_amax: Sequence[Any] | np.ndarray, method: str = "amax", percentile: float = 99.9,
