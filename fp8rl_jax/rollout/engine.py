@@ -122,7 +122,6 @@ class JaxRolloutEngine:
         self.kv_scales: KVScales | None = None
         self.kv_scales_version = -1
         self._apply_kv_scales(weights)
-        self.kv_cache_memory_bytes = kv_cache_memory_bytes
         self.max_model_len = int(max_model_len or config.max_position_embeddings)
         self.kv_capacity: KVCacheCapacity | None = None
         self.last_num_chunks = 0  # generate() passes the last call needed (byte budget)
