@@ -16,6 +16,7 @@ Usage:
   python benchmarks/bench_quant.py --quick                 # CPU: 1 MB .. 256 MB, 1 Qwen3-8B layer
   python benchmarks/bench_quant.py                         # GPU: 1 MB .. 1 GB, all 36 layers
   python benchmarks/bench_quant.py --sizes 1,16,256 --backend jnp
+  python benchmarks/bench_quant.py --sizes 1,4,16 --breakdown   # + the amax and cast passes timed alone
 Results: benchmarks/results/quant_<device>.json and .md.
 """
 
@@ -74,7 +75,31 @@ def timeit(fn, *args, repeats=5, min_time=0.2):
     return statistics.median(times)
 
 
-def bench_size(mb, backend, repeats, k=4096):
+def _breakdown_fns():
+    """The jnp quantizer's two passes as separate jitted functions of ``w [L, N, K]`` (N, K multiples of 128):
+    the block amax (rows first, then 128-wide groups, as ``quant._quantize_blocks``), the same amax reduced over
+    both block axes at once (the earlier formulation, for comparison) and the element pass (scale multiply +
+    saturating e4m3 cast, with one fixed reciprocal per block)."""
+    from fp8rl_jax.fp8.formats import block_amax, cast_to_e4m3, to_f32_exact
+
+    def amax(w):
+        lsz, n, k = w.shape
+        rows = block_amax(w.reshape(lsz, n // 128, 128, k), -2)
+        return jnp.max(rows.reshape(lsz, n // 128, k // 128, 128), axis=-1)
+
+    def amax_both_axes(w):
+        lsz, n, k = w.shape
+        return block_amax(w.reshape(lsz, n // 128, 128, k // 128, 128), (-3, -1))
+
+    def cast(w, r):
+        lsz, n, k = w.shape
+        v = to_f32_exact(w).reshape(lsz, n // 128, 128, k // 128, 128) * r[:, :, None, :, None]
+        return cast_to_e4m3(v).reshape(w.shape)
+
+    return jax.jit(amax), jax.jit(amax_both_axes), jax.jit(cast)
+
+
+def bench_size(mb, backend, repeats, k=4096, breakdown=False):
     n_elems = int(mb * 2**20) // 2
     rows = max(128, (n_elems // k) // 128 * 128)
     layers = 1
@@ -91,9 +116,17 @@ def bench_size(mb, backend, repeats, k=4096):
     q_bytes = in_bytes + w.size + nb * 4
     copy_gbs = 2 * in_bytes / t_copy / 1e9
     q_gbs = q_bytes / t_q / 1e9
+    out = {"size_mb": mb, "shape": [layers, rows, k], "input_bytes": in_bytes, "copy_ms": t_copy * 1e3,
+           "copy_GBps": copy_gbs, "quant_ms": t_q * 1e3, "quant_GBps": q_gbs, "ratio": q_gbs / copy_gbs}
+    if breakdown:
+        amax, amax_both_axes, cast = _breakdown_fns()
+        r = jnp.full((layers, rows // 128, k // 128), 1.37, jnp.float32)
+        out["amax_ms"] = timeit(amax, w, repeats=repeats) * 1e3
+        out["amax_both_axes_ms"] = timeit(amax_both_axes, w, repeats=repeats) * 1e3
+        out["cast_ms"] = timeit(cast, w, r, repeats=repeats) * 1e3
+        out["cast_ns_per_element"] = out["cast_ms"] * 1e6 / w.size
     del w
-    return {"size_mb": mb, "shape": [layers, rows, k], "input_bytes": in_bytes, "copy_ms": t_copy * 1e3,
-            "copy_GBps": copy_gbs, "quant_ms": t_q * 1e3, "quant_GBps": q_gbs, "ratio": q_gbs / copy_gbs}
+    return out
 
 
 def bench_qwen(layers_run, backend, repeats):
@@ -131,6 +164,8 @@ def main(argv=None):
     p.add_argument("--qwen-layers", type=int, default=None, help="layers of Qwen3-8B to quantize (default 36; 1 with --quick)")
     p.add_argument("--backend", default="auto", choices=["auto", "jnp", "pallas"])
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--breakdown", action="store_true",
+                   help="also time the jnp quantizer's two passes alone (block amax; scale + e4m3 cast)")
     args = p.parse_args(argv)
     sizes = [float(s) for s in args.sizes.split(",")] if args.sizes else (
         [1, 4, 16, 64, 256] if args.quick else [1, 4, 16, 64, 256, 1024])
@@ -143,10 +178,12 @@ def main(argv=None):
     rows = []
     print(f"{'MB':>7} {'shape':>18} {'copy ms':>9} {'copy GB/s':>10} {'quant ms':>9} {'quant GB/s':>11} {'ratio':>6}")
     for mb in sizes:
-        r = bench_size(mb, args.backend, args.repeats)
+        r = bench_size(mb, args.backend, args.repeats, breakdown=args.breakdown)
         rows.append(r)
         print(f"{mb:7.0f} {str(tuple(r['shape'])):>18} {r['copy_ms']:9.3f} {r['copy_GBps']:10.2f} "
-              f"{r['quant_ms']:9.3f} {r['quant_GBps']:11.2f} {r['ratio']:6.2f}")
+              f"{r['quant_ms']:9.3f} {r['quant_GBps']:11.2f} {r['ratio']:6.2f}"
+              + (f"  (amax {r['amax_ms']:.3f} ms [both axes at once {r['amax_both_axes_ms']:.3f}], cast {r['cast_ms']:.3f} ms = {r['cast_ns_per_element']:.3f} ns/elem)"
+                 if "amax_ms" in r else ""))
     qwen = bench_qwen(qwen_layers, args.backend, max(1, args.repeats // 2))
     tag = " (extrapolated x36 from %d layer(s))" % qwen_layers if qwen["extrapolated"] else ""
     print(f"Qwen3-8B linear weights: {qwen['params_quantized'] / 1e6:.0f}M params in {qwen['time_ms']:.1f} ms "
@@ -160,6 +197,12 @@ def main(argv=None):
           "|---:|---|---:|---:|---:|---:|---:|"]
     md += [f"| {r['size_mb']:.0f} | {tuple(r['shape'])} | {r['copy_ms']:.3f} | {r['copy_GBps']:.2f} | {r['quant_ms']:.3f} | "
            f"{r['quant_GBps']:.2f} | {r['ratio']:.2f} |" for r in rows]
+    if args.breakdown:
+        md += ["", "The jnp quantizer's two passes timed alone (`--breakdown`; same arrays):", "",
+               "| input MB | block amax ms (rows first) | amax over both block axes at once ms | "
+               "scale + e4m3 cast ms | cast ns / element |", "|---:|---:|---:|---:|---:|"]
+        md += [f"| {r['size_mb']:.0f} | {r['amax_ms']:.3f} | {r['amax_both_axes_ms']:.3f} | {r['cast_ms']:.3f} | "
+               f"{r['cast_ns_per_element']:.3f} |" for r in rows]
     md += ["", f"Qwen3-8B linear weights (7 per layer, stacked per shape): {qwen['layers_quantized']} layer(s), "
            f"{qwen['params_quantized'] / 1e6:.0f}M params, {qwen['time_ms']:.1f} ms; all 36 layers: "
            f"{qwen['time_all_36_layers_ms']:.1f} ms{tag}."]

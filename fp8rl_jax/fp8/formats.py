@@ -31,7 +31,7 @@ is not correctly rounded (measured: ``log2(2**-10 * (1 + 2**-22))`` gives
 ``-9.999999`` where torch gives ``-10``), so UE8M0 is computed from the float's bits by
 :func:`ceil_pow2`, which equals ``2 ** ceil(RN(log2(s)))`` with a correctly rounded fp32 log2, i.e. torch's
 ``_ceil_to_ue8m0`` / ``exp2(ceil(log2(s)))`` on CPU. XLA CPU flushes float32 subnormals, hence integer bit
-arithmetic there and in :func:`cast_to_e4m3` (which is also 2x faster than XLA's own convert on CPU).
+arithmetic there and in :func:`cast_to_e4m3` (which is also faster than XLA's own convert on CPU).
 """
 
 from __future__ import annotations
@@ -249,8 +249,8 @@ def cast_to_e4m3(v):
 
     Same bits as ``jnp.clip(v, -448, 448).astype(float8_e4m3fn)`` (tested on every e4m3 value and midpoint
     +-3 float32 ulps, both signs, the subnormal range, +-inf, 1.2M random values and a stride through all
-    2**32 float32 bit patterns; NaN -> NaN, -0 -> -0), and faster on XLA CPU, whose own convert is the
-    quantizer's bottleneck there (2.6-2.9x slower on 4-16 MB inputs, measured). The
+    2**32 float32 bit patterns; NaN -> NaN, -0 -> -0), and faster on XLA CPU, where its own convert is the
+    quantizer's bottleneck. The
     clip is one integer ``min`` on the magnitude bits (inf saturates to 448). Rounding: with ``eb`` the
     float32 biased exponent of ``|v|`` floored at 121 (``2**-6``, e4m3's smallest normal), ``C = 2**(eb-107)``
     has a float32 spacing equal to e4m3's spacing at ``|v|`` (``2**(e-3)``, or ``2**-9`` in the subnormal
