@@ -37,7 +37,6 @@ import subprocess
 import sys
 import time
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -86,7 +85,6 @@ def _serve(conn):
     """Receiver process loop: (method, args) in, result out."""
     import torch
 
-    os.environ["JAX_PLATFORMS"] = "cpu"
     torch.set_num_threads(1)  # as vLLM-CPU does for serving
     rec = CopyReceiver()
     while True:
@@ -233,8 +231,10 @@ def main(argv=None):
     if device == "cpu":
         torch.set_num_threads(1)  # the receivers' copies run single-threaded, as vLLM-CPU serves
     name = torch.cuda.get_device_name() if device == "cuda" else cpu_model()
-    if args._size:  # child: one size, in a fresh process
-        row = bench_size(args._size, args.repeats, args.vllm and (args._size == "135m" or device == "cuda"), device)
+    if args._size:  # child: one size, in a fresh process, JAX arrays explicitly on the device torch uses
+        with jax.default_device(jax.devices("gpu" if device == "cuda" else "cpu")[0]):
+            row = bench_size(args._size, args.repeats, args.vllm and (args._size == "135m" or device == "cuda"),
+                             device)
         print("ROW " + json.dumps(row), flush=True)
         return
     rows = []

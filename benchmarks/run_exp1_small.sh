@@ -12,7 +12,7 @@ if [ ${#RUNS[@]} -eq 0 ]; then
   RUNS=(fp8_tis:0 fp8_notis:0 bf16:0 fp8_tis:1 fp8_notis:1 bf16:1 fp8_tis:2 fp8_notis:2 bf16:2)
 fi
 cd "$(dirname "$0")/.."
-export JAX_PLATFORMS=${JAX_PLATFORMS:-cpu} HF_HUB_OFFLINE=1
+export HF_HUB_OFFLINE=1
 for run in "${RUNS[@]}"; do
   cond=${run%%:*}; seed=${run##*:}
   case $cond in

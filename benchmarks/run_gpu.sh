@@ -1,30 +1,51 @@
 #!/usr/bin/env bash
-# The FP8 GPU checks and benchmarks (issue "FP8 numerics") in one call on a CUDA machine.
+# Every GPU check and GPU benchmark in one call on a CUDA machine (issue "GPU path: correct on an H100").
 #
-# Run from the repository root, with a python3 that has jax[cuda], flax, optax, ml_dtypes and pytest:
-#   bash benchmarks/run_gpu.sh                    # all stages
-#   bash benchmarks/run_gpu.sh tests quant        # some of: tests quant matmul (e.g. to fit a time limit)
-# Steps: record the device; the GPU tests (Pallas kernels compiled by Triton == the CPU jnp reference bit for
-# bit, the FP8 GEMM vs float64) plus the FP8 unit tests; bench_quant.py (quantization vs device copy, 1 MB-1 GB,
-# all Qwen3-8B linear weights) and bench_fp8_matmul.py (FP8 vs bf16 at M = 1, 64, 4096, and a GEMM tile sweep).
-# Results: benchmarks/results/{quant,fp8_matmul}_gpu_<device>.{json,md}; logs and copies of the results in
-# $OUT (the device tool's output folder) or runs/gpu. Exit status: that of the tests (0 when not run).
+# Run from the repository root of a clean copy of the tracked files, with a python3 that has jax[cuda], flax,
+# optax, ml_dtypes, pytest (and torch for the weight-sync benchmark); no package registry, no model asset needed:
+#   bash benchmarks/run_gpu.sh                          # all stages
+#   bash benchmarks/run_gpu.sh tests quant              # some of: tests quant matmul rollout sync
+# Stages:
+#   tests   the GPU tests (pytest -m gpu: Pallas kernels vs the float64-numpy/ml_dtypes reference bit for bit, the
+#           FP8 GEMM vs float64 at M = 1, 3, 64, 300, 4096) run ON THE GPU, then the FP8 unit and CUDA-lowering
+#           tests. Fails when any GPU test is skipped, fails, or none ran.
+#   quant   bench_quant.py (quantization vs device copy, all Qwen3-8B linear weights)
+#   matmul  bench_fp8_matmul.py (FP8 vs bf16 GEMMs)
+#   rollout bench_rollout.py at Qwen3-0.6B and 8B shapes (random weights), bf16 / fp8 / fp8 + e4m3 KV cache
+#   sync    bench_weight_sync.py (export + DLPack + copy into preallocated torch tensors)
+# Results: benchmarks/results/*_gpu_<device>.{json,md}; logs and copies in $OUT (the device tool's folder) or
+# runs/gpu. Exit status: non-zero if a test stage failed or a GPU test was skipped, or a benchmark failed.
 set -o pipefail
 cd "$(dirname "$0")/.." || exit 1
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 PY=${PY:-python3}
 LOG=${OUT:-runs/gpu}
 mkdir -p "$LOG"
-{ nvidia-smi -L; "$PY" -c "import jax, flax; print('jax', jax.__version__, 'flax', flax.__version__, jax.devices())"; } \
+{ nvidia-smi -L; "$PY" -c "import jax, jaxlib, flax; print('jax', jax.__version__, 'jaxlib', jaxlib.__version__, 'flax', flax.__version__, jax.devices())"; } \
   2>&1 | tee "$LOG/env.txt" || exit 1
-stages=" ${*:-tests quant matmul} "
+"$PY" -c "import jax, sys; sys.exit(0 if any(d.platform == 'gpu' for d in jax.devices()) else 1)" \
+  || { echo "run_gpu.sh: JAX sees no GPU (check JAX_PLATFORMS and the CUDA plugin)" | tee -a "$LOG/env.txt"; exit 1; }
+stages=" ${*:-tests quant matmul rollout sync} "
 status=0
+run() {  # run NAME CMD...: log to $LOG/NAME.log, remember a failure
+  local name=$1; shift
+  "$@" 2>&1 | tee "$LOG/$name.log"
+  local rc=${PIPESTATUS[0]}
+  [[ $rc -ne 0 ]] && { echo "run_gpu.sh: $name failed (exit $rc)"; status=1; }
+  return 0
+}
 if [[ $stages == *" tests "* ]]; then
-  "$PY" -m pytest -q -ra -p no:cacheprovider tests/test_fp8_gpu.py tests/test_fp8_pallas.py tests/test_fp8_quant.py \
-    tests/test_fp8_dot.py tests/test_fp8_training.py 2>&1 | tee "$LOG/tests.log"
-  status=$?
+  run gpu_tests "$PY" -m pytest -q -ra -p no:cacheprovider -m gpu tests/test_fp8_gpu.py
+  # a GPU test may skip only where no CUDA device exists, and this machine has one: any skip is a failure
+  if grep -qE "[0-9]+ skipped|SKIPPED" "$LOG/gpu_tests.log"; then echo "run_gpu.sh: GPU tests were skipped"; status=1; fi
+  grep -qE "[0-9]+ passed" "$LOG/gpu_tests.log" || { echo "run_gpu.sh: no GPU test ran"; status=1; }
+  run unit_tests "$PY" -m pytest -q -ra -p no:cacheprovider tests/test_fp8_pallas.py tests/test_fp8_quant.py \
+    tests/test_fp8_reference.py tests/test_fp8_dot.py tests/test_fp8_training.py tests/test_imports.py
 fi
-[[ $stages == *" quant "* ]] && "$PY" benchmarks/bench_quant.py 2>&1 | tee "$LOG/bench_quant.log"
-[[ $stages == *" matmul "* ]] && "$PY" benchmarks/bench_fp8_matmul.py 2>&1 | tee "$LOG/bench_fp8_matmul.log"
-cp benchmarks/results/quant_gpu_* benchmarks/results/fp8_matmul_gpu_* "$LOG"/ 2>/dev/null
+[[ $stages == *" quant "* ]] && run bench_quant "$PY" benchmarks/bench_quant.py
+[[ $stages == *" matmul "* ]] && run bench_fp8_matmul "$PY" benchmarks/bench_fp8_matmul.py
+[[ $stages == *" rollout "* ]] && run bench_rollout "$PY" benchmarks/bench_rollout.py --models 0.6b,8b \
+  --engines embedded --precisions bf16,fp8,fp8_kv --max_tokens 128 --repeats 1
+[[ $stages == *" sync "* ]] && run bench_weight_sync "$PY" benchmarks/bench_weight_sync.py --sizes 0.6b,8b
+cp benchmarks/results/*_gpu_* "$LOG"/ 2>/dev/null
 exit $status

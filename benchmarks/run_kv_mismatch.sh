@@ -8,7 +8,7 @@ set -e
 STEPS=${1:-3}
 OUT=${2:-runs/kv_mismatch}
 cd "$(dirname "$0")/.."
-export JAX_PLATFORMS=${JAX_PLATFORMS:-cpu} HF_HUB_OFFLINE=1
+export HF_HUB_OFFLINE=1
 COMMON=(--gin_param=train.num_steps=$STEPS --gin_param=train.progress_bar=False --gin_param=train.checkpoint_every=0
         --gin_param=train.plots=False)
 for run in bf16:on fp8:on fp8_kv:on bf16:off fp8:off fp8_kv:off; do

@@ -63,7 +63,6 @@ class RolloutWorker(WeightReceiverMixin):
     def __init__(self, kind: str, model_config, engine_kwargs: dict | None = None, name: str = "rollout-0"):
         if kind not in ROLLOUT_KINDS:
             raise ValueError(f"unknown rollout actor kind {kind!r}; expected one of {ROLLOUT_KINDS}")
-        os.environ.setdefault("JAX_PLATFORMS", "cpu")
         self.kind, self.cfg, self.kw, self.name = kind, model_config, dict(engine_kwargs or {}), name
         self.engine = None
         if kind == "vllm":
@@ -254,7 +253,6 @@ class TrainerActor:
 
     def __init__(self, config, actors, transport: str = "shm", weight_target: str = "native",
                  client_kwargs: dict | None = None, gin_config: str | None = None):
-        os.environ.setdefault("JAX_PLATFORMS", "cpu")
         from fp8rl_jax.trainer import RLTrainer
 
         if gin_config:

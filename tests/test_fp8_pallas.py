@@ -66,10 +66,12 @@ def _lower_for_cuda(fn, *args):
 
     Uses JAX's cross-platform lowering (``lowering_platforms=("cuda",)``, which needs no GPU); each Pallas
     kernel is a ``__gpu$xla.gpu.triton`` custom call whose backend config holds the Triton module as MLIR
-    bytecode, parsed back here with jaxlib's Triton dialect.
+    bytecode, parsed back here with jaxlib's Triton dialect. Public APIs only (jax's ``trace().lower()``, the
+    ``jaxlib.mlir`` / ``jaxlib.triton`` packages), so it runs on jax 0.10.x and 0.11.x alike.
     """
-    from jax._src.lib.mlir import ir
-    from jax._src.lib.triton import dialect as tt_dialect
+    # jaxlib's own MLIR bindings and Triton dialect (the jaxlib package, not jax's private jax._src)
+    from jaxlib.mlir import ir
+    from jaxlib.triton import dialect as tt_dialect
 
     module = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).compiler_ir("stablehlo")
     calls = []
@@ -183,3 +185,70 @@ def test_batched_export_is_one_triton_launch_per_weight_shape_on_cuda(monkeypatc
     assert len(kernels) == 3 and hlo.count("__gpu$xla.gpu.triton") == 3
     for text in kernels:
         _assert_exact_quant_ir(text, divisions=2)
+
+
+@pytest.mark.parametrize("shape,block", [((2, 129, 257), (128, 128)), ((1, 257, 896), (32, 128)),
+                                         ((3, 200, 130), (128, 128))])
+def test_no_quant_tile_overhangs_its_arrays_on_cuda(shape, block):
+    """Pallas' Triton lowering does not mask plain ref loads/stores, so every tile must lie inside its arrays:
+    ragged inputs are zero-padded to whole tiles and the custom call's operand is exactly grid x block."""
+    from fp8rl_jax.fp8.pallas_quant import padded_tile_shape
+
+    bn, bk = block
+    if bn == 128:
+        fn = lambda w: pallas_quantize_weight_blockwise(w, 128, interpret=False, check=False)  # noqa: E731
+    else:  # activations: 1 x 128 groups in row blocks of bn
+        fn = lambda w: pallas_quantize_activation_groupwise(w[0], 128, block_rows=bn, interpret=False,  # noqa: E731
+                                                             check=False)
+    hlo, kernels = _lower_for_cuda(fn, S(shape, jnp.float32))
+    assert len(kernels) == 1
+    n_pad, k_pad = padded_tile_shape(shape[1], shape[2], bn, bk)
+    grid = re.search(r"grid_x = (\d+) : i32, grid_y = (\d+) : i32, grid_z = (\d+) : i32", hlo).groups()
+    assert tuple(map(int, grid)) == (shape[0], n_pad // bn, k_pad // bk)
+    call = next(line for line in hlo.splitlines() if "__gpu$xla.gpu.triton" in line)
+    operand = re.search(r"\(tensor<([\dx]+)xf32>\)", call).group(1)
+    assert tuple(int(d) for d in operand.split("x"))[-2:] == (n_pad, k_pad)  # grid * block == operand: no overhang
+    # the kernel body itself loads and stores whole (bn, bk) tiles, with no mask operand
+    assert f"tensor<{bn}x{bk}xf32>" in kernels[0]
+
+
+@pytest.mark.parametrize("precision,kv", [("fp8", "auto"), ("bf16", "auto"), ("fp8", "fp8_e4m3")])
+def test_engine_generate_program_lowers_for_cuda(monkeypatch, precision, kv):
+    """The embedded engine's whole jitted prefill + decode loop (``rollout.engine._generate``) lowers for CUDA on
+    this CPU machine: FP8 linears as Triton FP8 GEMMs (+ activation quant kernels), an e4m3 KV cache as f8 tensors."""
+    from fp8rl_jax.export import export_weights
+    from fp8rl_jax.fp8 import pallas_quant
+    from fp8rl_jax.models.config import ModelConfig
+    from fp8rl_jax.models.decoder import named_params
+    from fp8rl_jax.models.loading import build_model
+    from fp8rl_jax.rollout import engine as eng_mod
+
+    cfg = ModelConfig(model_type="qwen3", vocab_size=512, hidden_size=256, intermediate_size=512,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                      eos_token_id=2, pad_token_id=0)
+    fmt = eng_mod.ENGINE_PRECISIONS[precision][2]
+    n = cfg.num_hidden_layers
+    kv_scales = None
+    if kv == "fp8_e4m3":
+        from fp8rl_jax.fp8.kv_cache import KVScales
+
+        kv_scales = KVScales(*(np.full(n, 0.01, np.float32),) * 3)
+    w = export_weights(named_params(build_model(cfg, seed=0)), fmt, kv_scales=kv_scales,
+                       kv_scales_version=0 if kv_scales else None)
+    e = eng_mod.JaxRolloutEngine(cfg, w, precision=precision, kv_cache_dtype=kv, log_kv_cache=False)
+    monkeypatch.setattr(pallas_quant, "gpu_lowering_available", lambda: True)  # trace as on a CUDA GPU
+    ids, mask = np.zeros((2, 16), np.int32), np.ones((2, 16), bool)
+    scales = (e.kv_scales.k_scale, e.kv_scales.v_scale, None) if kv == "fp8_e4m3" else (None, None, None)
+    lowered = eng_mod._generate.trace(
+        e.graphdef, e.state, ids, mask, jax.random.key(0), np.float32(1.0), np.int32(1), np.float32(1.0),
+        np.array([2], np.int32), *scales, n=2, max_tokens=8, greedy=False, use_top_k=False, use_top_p=False,
+        pad_token_id=0, cache_dtype=e.cache_dtype).lower(lowering_platforms=("cuda",))
+    hlo = lowered.as_text()
+    assert "stablehlo.while" in hlo  # the decode loop
+    triton_calls = hlo.count("__gpu$xla.gpu.triton")
+    if precision == "fp8":
+        assert triton_calls > 0 and "xf8E4M3FN" in hlo
+    else:
+        assert triton_calls == 0
+    if kv == "fp8_e4m3":
+        assert re.search(r"tensor<2x24x2x64xf8E4M3FN>", hlo)  # the e4m3 cache [B, P + T, H_kv, D]

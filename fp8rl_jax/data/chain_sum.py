@@ -15,7 +15,6 @@ import operator
 from typing import Any
 
 import gin
-import reasoning_gym
 
 from fp8rl_jax.data.types import IndexedDataset, PromptItem
 
@@ -49,6 +48,8 @@ class ReasoningGymDataset(IndexedDataset):
         if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
             raise ValueError(f"seed must be a non-negative int (reasoning-gym draws a random one for None), got {seed!r}")
         try:
+            import reasoning_gym  # lazy: importing fp8rl_jax (e.g. trainer.config) must not need it
+
             self._rg = reasoning_gym.create_dataset(task, **rg_config)
         except (AssertionError, TypeError) as e:  # reasoning-gym validates configs with assert
             raise ValueError(f"invalid reasoning-gym config for {task!r} {rg_config}: {e}") from e

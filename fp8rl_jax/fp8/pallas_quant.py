@@ -11,7 +11,9 @@ fast path). The kernel body calls the same scale/rounding helpers as the jnp ref
 mode both are bit-identical (tested). On GPU, divisions are emitted as PTX ``div.rn.f32`` (Triton's own
 float32 division is the approximate ``div.full.f32``), UE8M0 uses integer bit arithmetic, the e4m3 cast is
 Triton's round-to-nearest convert, and NaN is mapped to +inf before the (NaN-ignoring) Triton max, so the GPU
-kernel computes the same IEEE operations; that equality is still to be checked on a GPU (none was available).
+kernel computes the same IEEE operations; that equality is checked on a GPU by tests/test_fp8_gpu.py against a
+float64-numpy + ml_dtypes reference. Ragged shapes are zero-padded to whole tiles before the kernel
+(:func:`padded_tile_shape`): no tile overhangs an array, so no load or store can go out of bounds.
 
 :func:`quantize_weights_batched` is the dispatcher the exporter uses: it groups same-shaped weights, stacks
 each group and quantizes it in one call (jnp on CPU, Pallas on GPU).
@@ -24,7 +26,6 @@ from collections.abc import Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental import pallas as pl
 
 from fp8rl_jax.fp8.formats import (ACTIVATION_RECIPE, BLOCK_SIZE, E4M3, E4M3_MAX, WEIGHT_RECIPE, QuantRecipe,
@@ -47,14 +48,11 @@ def _resolve_interpret(interpret: bool | None) -> bool:
     return (not gpu_lowering_available()) if interpret is None else bool(interpret)
 
 
-def _quant_tile_kernel(x_ref, q_ref, s_ref, *, n, k, bn, bk, per_row, ue8m0, fp8_dtype, fp8_max, recipe, ptx):
-    """One tile: ``x_ref`` (bn, bk) -> ``q_ref`` (bn, bk) fp8, ``s_ref`` (1, 1) or (bn, 1) float32."""
+def _quant_tile_kernel(x_ref, q_ref, s_ref, *, bn, bk, per_row, ue8m0, fp8_dtype, fp8_max, recipe, ptx):
+    """One tile: ``x_ref`` (bn, bk) -> ``q_ref`` (bn, bk) fp8, ``s_ref`` (1, 1) or (bn, 1) float32.
+
+    Every tile lies inside its arrays (:func:`padded_tile_shape`): no load or store needs a bounds mask."""
     xt = x_ref[...]
-    if n % bn or k % bk:
-        # Edge tiles: out-of-range elements behave as the jnp reference's zero padding.
-        rows = pl.program_id(1) * bn + lax.broadcasted_iota(jnp.int32, (bn, bk), 0)
-        cols = pl.program_id(2) * bk + lax.broadcasted_iota(jnp.int32, (bn, bk), 1)
-        xt = jnp.where((rows < n) & (cols < k), xt, jnp.zeros((), xt.dtype))
     x = xt.astype(jnp.float32)
     amax = block_amax(xt, 1, keepdims=True, ptx=ptx)  # (bn, 1)
     if not per_row:
@@ -68,9 +66,18 @@ def _quant_tile_kernel(x_ref, q_ref, s_ref, *, n, k, bn, bk, per_row, ue8m0, fp8
                                              "interpret", "num_warps"))
 def _pallas_quantize_3d(x, *, bn, bk, per_row, ue8m0, fp8_dtype, fp8_max, recipe, interpret, num_warps=4):
     lsz, n, k = x.shape
-    nb, kb = pl.cdiv(n, bn), pl.cdiv(k, bk)
+    n_pad, k_pad = padded_tile_shape(n, k, bn, bk)
+    if (n_pad, k_pad) != (n, k):
+        # Zero-pad ragged edges (the jnp reference's padding) instead of masking inside the kernel: Pallas'
+        # Triton lowering adds no bounds check to plain ref loads and stores, so an edge tile hanging over the
+        # array would read and write past its end on a GPU (interpret mode pads and slices, and hides that).
+        x = jnp.pad(x, ((0, 0), (0, n_pad - n), (0, k_pad - k)))
+        q, s = _pallas_quantize_3d(x, bn=bn, bk=bk, per_row=per_row, ue8m0=ue8m0, fp8_dtype=fp8_dtype,
+                                   fp8_max=fp8_max, recipe=recipe, interpret=interpret, num_warps=num_warps)
+        return q[:, :n, :k], (s[:, :n] if per_row else s)
+    nb, kb = n // bn, k // bk
     ptx = not interpret
-    kernel = functools.partial(_quant_tile_kernel, n=n, k=k, bn=bn, bk=bk, per_row=per_row, ue8m0=ue8m0,
+    kernel = functools.partial(_quant_tile_kernel, bn=bn, bk=bk, per_row=per_row, ue8m0=ue8m0,
                                fp8_dtype=fp8_dtype, fp8_max=fp8_max, recipe=recipe, ptx=ptx)
     tile = pl.BlockSpec((pl.squeezed, bn, bk), lambda l, i, j: (l, i, j))
     if per_row:
@@ -94,6 +101,15 @@ def _pallas_quantize_3d(x, *, bn, bk, per_row, ue8m0, fp8_dtype, fp8_max, recipe
         name="fp8_blockwise_quant",
         **kwargs,
     )(x)
+
+
+def padded_tile_shape(n: int, k: int, bn: int, bk: int) -> tuple[int, int]:
+    """``(N, K)`` rounded up to whole ``(bn, bk)`` tiles: the shape every quantization kernel runs on.
+
+    Ragged inputs are zero-padded to it before the ``pallas_call`` and the outputs sliced back, so the grid
+    ``(N_pad / bn, K_pad / bk)`` covers the arrays exactly and no tile overhangs an edge.
+    """
+    return -(-n // bn) * bn, -(-k // bk) * bk
 
 
 def pallas_quantize_weight_blockwise(
