@@ -1,6 +1,7 @@
 """Objectives: advantages (GRPO / Dr. GRPO / RLOO), policy losses (PPO clip with clip-higher and dual clip,
-REINFORCE, GSPO), rollout correction (TIS / MIS / IcePop / rejection sampling as chainable transforms) and
-training/inference mismatch metrics. See docs/ROLLOUT_CORRECTION.md.
+REINFORCE, GSPO), rollout correction (TIS / MIS / IcePop / rejection sampling / off-policy sequence masking /
+trust region masking as chainable transforms) and training/inference mismatch metrics. See
+docs/ROLLOUT_CORRECTION.md.
 
 The trainer calls ``compute_policy_loss(logprobs, old_logprobs, rollout_logprobs, advantages,
 response_mask, LossConfig(...))``.
@@ -29,10 +30,12 @@ from fp8rl_jax.objectives.rollout_correction import (
     ImportanceSampling,
     RejectionSampling,
     Veto,
+    apply_transform,
     chain,
     parse_is_threshold,
     token_tis,
 )
+from fp8rl_jax.objectives.sequence_masking import OffPolicySequenceMasking, TrustRegionMasking
 
 __all__ = [
     "grpo_advantages",
@@ -47,9 +50,12 @@ __all__ = [
     "ImportanceSampling",
     "RejectionSampling",
     "Veto",
+    "OffPolicySequenceMasking",
+    "TrustRegionMasking",
     "Identity",
     "Chain",
     "chain",
+    "apply_transform",
     "Correction",
     "parse_is_threshold",
     "IS_LEVELS",

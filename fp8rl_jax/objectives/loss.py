@@ -31,9 +31,11 @@ from fp8rl_jax.objectives.rollout_correction import (
     Identity,
     ImportanceSampling,
     RejectionSampling,
+    apply_transform,
     chain,
     parse_is_threshold,
 )
+from fp8rl_jax.objectives.sequence_masking import OffPolicySequenceMasking
 
 __all__ = [
     "RolloutCorrectionConfig",
@@ -73,6 +75,9 @@ class RolloutCorrectionConfig:
       loss_type: ``"ppo_clip"`` | ``"reinforce"`` (verl: used in bypass mode). Bypass + ``ppo_clip`` applies
         the rejection mask but not the IS weights (the PPO ratio already is ``pi / pi_rollout``, verl
         ``compute_policy_loss_bypass_mode``); ``reinforce`` applies the weights to ``-A log pi``.
+      opsm_delta: off-policy sequence masking threshold (DeepSeek-V3.2; slime ``--opsm-delta``) or ``None``
+        (off): tokens with negative advantage of rows whose ``mean_t(rollout_logprobs - old_logprobs) >
+        opsm_delta`` get weight 0 (``OffPolicySequenceMasking``), in every regime (bypass PPO-clip too).
 
     Raises:
       ValueError: any invalid value (lists the valid ones).
@@ -87,6 +92,7 @@ class RolloutCorrectionConfig:
     rollout_rs_threshold: Union[float, str, None] = None
     bypass_mode: bool = False
     loss_type: str = "ppo_clip"
+    opsm_delta: Optional[float] = None
 
     def __post_init__(self):
         check_choice("rollout_is", self.rollout_is, (None,) + IS_LEVELS)
@@ -211,6 +217,35 @@ class RolloutCorrectionConfig:
         """Metrics only, no correction (verl preset)."""
         return cls(rollout_is=None, rollout_rs=None)
 
+    # --- trust region masking (arXiv 2512.23075; verl PR #4544 realises it as rollout_rs options) ---------
+    @classmethod
+    def decoupled_trm_rs(cls, max_threshold: float = 0.1, avg_threshold: float = 0.002):
+        """Decoupled trust region masking: ``rollout_rs="seq_max_k2,seq_mean_k3"`` (the token veto on
+        ``k2 = log_rho^2 / 2`` plus the sequence-mean ``k3`` bound; the mask equals ``TrustRegionMasking``).
+        Defaults: the paper's combined-criterion run (sec. 4, max 0.1 + avg 0.002). verl has no preset of this
+        name; it follows verl's ``{regime}_{estimator}_rs`` pattern (``decoupled_k3_rs``)."""
+        return cls(rollout_is=None, rollout_rs="seq_max_k2,seq_mean_k3",
+                   rollout_rs_threshold=f"{max_threshold},{avg_threshold}")
+
+    @classmethod
+    def bypass_ppo_clip_trm_rs(cls, max_threshold: float = 0.1, avg_threshold: float = 0.002):
+        """Bypass PPO clip + trust region masking (as ``decoupled_trm_rs``, weights from ``sg(pi)``)."""
+        return cls(rollout_is=None, rollout_rs="seq_max_k2,seq_mean_k3",
+                   rollout_rs_threshold=f"{max_threshold},{avg_threshold}", bypass_mode=True, loss_type="ppo_clip")
+
+    # --- off-policy sequence masking (DeepSeek-V3.2; slime --use-opsm --opsm-delta) ------------------------
+    @classmethod
+    def decoupled_opsm(cls, opsm_delta: float = 1e-4):
+        """Decoupled regime, OPSM on ``mean_t(rollout - old)``, no IS weights (slime ``--use-opsm``)."""
+        return cls(rollout_is=None, opsm_delta=opsm_delta)
+
+    @classmethod
+    def bypass_ppo_clip_opsm(cls, opsm_delta: float = 1e-4):
+        """Bypass PPO clip + OPSM on ``mean_t(rollout - sg(pi))``: the DeepSeek-V3.2 objective (ratio
+        ``pi / pi_rollout``, mask from the current policy vs the sampler; slime ``--use-opsm
+        --use-rollout-logprobs``)."""
+        return cls(rollout_is=None, opsm_delta=opsm_delta, bypass_mode=True, loss_type="ppo_clip")
+
     # --- presets of ours (MIS / IcePop family, not verl preset names) ------------------------------------
     @classmethod
     def decoupled_token_mis(cls, threshold: Union[float, str] = "0.5_2.0"):
@@ -244,7 +279,8 @@ PRESETS = tuple(
         "decoupled_geo_rs_token_tis decoupled_k3_rs decoupled_k3_rs_seq_tis decoupled_k3_rs_token_tis "
         "bypass_ppo_clip bypass_ppo_clip_geo_rs bypass_ppo_clip_k3_rs bypass_pg_is bypass_pg_geo_rs "
         "bypass_pg_geo_rs_seq_tis bypass_pg_geo_rs_token_tis disabled decoupled_token_mis decoupled_seq_mis "
-        "decoupled_geo_mis bypass_pg_token_icepop"
+        "decoupled_geo_mis bypass_pg_token_icepop decoupled_trm_rs bypass_ppo_clip_trm_rs decoupled_opsm "
+        "bypass_ppo_clip_opsm"
     ).split()
 )
 
@@ -263,7 +299,12 @@ def rollout_correction_preset(name: str = "decoupled_token_is", **kwargs) -> Rol
 
 
 def build_transform(rc: RolloutCorrectionConfig):
-    """The ``chain`` of transforms a ``RolloutCorrectionConfig`` describes (``Identity`` when empty)."""
+    """The ``chain`` of transforms a ``RolloutCorrectionConfig`` describes (``Identity`` when empty).
+
+    Members, in order: ``ImportanceSampling`` (``rollout_is``), ``RejectionSampling`` (``rollout_rs``),
+    ``OffPolicySequenceMasking`` (``opsm_delta``; the chain then needs the advantages: call it through
+    ``apply_transform``). Raises ValueError on invalid settings.
+    """
     parts = []
     if rc.rollout_is is not None:
         lo, hi = parse_is_threshold(rc.rollout_is_threshold)
@@ -279,6 +320,8 @@ def build_transform(rc: RolloutCorrectionConfig):
         )
     if rc.rollout_rs is not None:
         parts.append(RejectionSampling(rc.rollout_rs, rc.rollout_rs_threshold))
+    if rc.opsm_delta is not None:
+        parts.append(OffPolicySequenceMasking(rc.opsm_delta))
     return chain(*parts) if parts else Identity()
 
 
@@ -336,7 +379,10 @@ def compute_policy_loss(logprobs, old_logprobs, rollout_logprobs, advantages, re
       ``gspo``: ``gspo_loss`` likewise; ``loss_type="reinforce"``: ``reinforce_loss`` with ``c.weights``.
     - bypass (``bypass_mode=True``; ``old_logprobs`` is ignored and may be ``None``):
       ``c = T(sg(logprobs), rollout_logprobs)``; ``ppo_clip``: the policy loss with ``old := rollout`` on
-      ``c.mask`` and no weights; ``reinforce``: ``reinforce_loss(logprobs, rollout, A, c.mask, c.weights)``.
+      ``c.mask`` and no weights except the OPSM keep weights of ``opsm_delta``; ``reinforce``:
+      ``reinforce_loss(logprobs, rollout, A, c.mask, c.weights)``.
+
+    Transforms that need the advantages (``OffPolicySequenceMasking``) receive ``advantages``.
 
     Args:
       logprobs: current policy's sampled-token log-probs ``[B, T]`` float32 (differentiated).
@@ -385,7 +431,7 @@ def compute_policy_loss(logprobs, old_logprobs, rollout_logprobs, advantages, re
     if rollout_logprobs is None:
         corr_w, corr_m, corr_metrics = m, m, {}
     else:
-        corr = transform(target, rollout_logprobs, m)
+        corr = apply_transform(transform, target, rollout_logprobs, m, advantages)
         corr_w, corr_m, corr_metrics = corr.weights, corr.mask, corr.metrics
     agg = dict(loss_agg_mode=config.loss_agg_mode, loss_scale_factor=config.loss_scale_factor)
     if rc.loss_type == "reinforce":
@@ -393,6 +439,9 @@ def compute_policy_loss(logprobs, old_logprobs, rollout_logprobs, advantages, re
         loss, metrics = reinforce_loss(logprobs, behaviour, advantages, corr_m, token_weights=corr_w, **agg)
     else:
         weights = None if rc.bypass_mode else corr_w
+        if rc.bypass_mode and config.transform is None and rc.opsm_delta is not None:
+            # bypass PPO-clip drops the IS weights, not the OPSM keep weights (DeepSeek-V3.2's M_{i,t})
+            weights = OffPolicySequenceMasking(rc.opsm_delta)(target, rollout_logprobs, m, advantages).weights
         if config.loss_mode == "gspo":
             loss, metrics = gspo_loss(
                 logprobs, old, advantages, corr_m, config.clip_ratio_low, config.clip_ratio_high,

@@ -53,6 +53,7 @@ __all__ = [
     "Identity",
     "Chain",
     "chain",
+    "apply_transform",
     "token_tis",
     "parse_is_threshold",
     "IS_LEVELS",
@@ -152,8 +153,9 @@ def _is_metrics(w, lr_metric, m, seq_level: bool, upper: float, lower: float) ->
     out = {"rollout_is_mean": masked_mean(w, m)}
     if seq_level:
         s = lr_metric  # [B] log sequence weight (unclamped)
-        out["rollout_is_max"] = jnp.exp(jnp.minimum(masked_max(s, sv), SAFETY_BOUND))
-        out["rollout_is_min"] = jnp.where(jnp.sum(sv) > 0, jnp.exp(jnp.minimum(masked_min(s, sv), SAFETY_BOUND)), 0.0)
+        has_rows = jnp.sum(sv) > 0  # an entirely masked batch reports 0, not exp(0) = 1
+        out["rollout_is_max"] = jnp.where(has_rows, jnp.exp(jnp.minimum(masked_max(s, sv), SAFETY_BOUND)), 0.0)
+        out["rollout_is_min"] = jnp.where(has_rows, jnp.exp(jnp.minimum(masked_min(s, sv), SAFETY_BOUND)), 0.0)
         out["rollout_is_ratio_fraction_high"] = masked_mean((s > _log(upper)).astype(jnp.float32), sv)
         out["rollout_is_ratio_fraction_low"] = masked_mean((s < _log(lower)).astype(jnp.float32), sv)
     else:
@@ -284,7 +286,8 @@ class ImportanceSampling:
                 mean = masked_mean(masked_mean(w, m, axis=-1), sv)
             ok = mean > 1e-8
             w = jnp.where(ok, w / jnp.where(ok, mean, 1.0), w)
-            metrics["rollout_is_batch_norm_factor"] = jnp.where(ok, mean, 1.0)
+            # verl reports 1.0 when the mean is <= 1e-8; an entirely masked batch reports 0 (every metric is 0)
+            metrics["rollout_is_batch_norm_factor"] = jnp.where(ok, mean, jnp.where(jnp.sum(m) > 0, 1.0, 0.0))
         metrics = {PREFIX + k: v for k, v in metrics.items()}
         return Correction(jax.lax.stop_gradient(w), jax.lax.stop_gradient(out_mask), jax.lax.stop_gradient(metrics))
 
@@ -549,22 +552,45 @@ class Identity:
 Transform = Callable[..., Correction]
 
 
+def apply_transform(transform, old_logprobs, rollout_logprobs, response_mask, advantages=None) -> Correction:
+    """Call a transform, passing ``advantages`` only to one that declares ``uses_advantages = True``.
+
+    Transforms keep the three-argument protocol ``(old_logprobs, rollout_logprobs, response_mask)``; the
+    few that also need the advantages (``OffPolicySequenceMasking``, a ``Chain`` containing one) take them
+    as a fourth argument (``[B]`` or ``[B, T]`` float).
+
+    Raises:
+      ValueError: the transform needs advantages and ``advantages`` is ``None``.
+    """
+    if getattr(transform, "uses_advantages", False):
+        if advantages is None:
+            raise ValueError(f"{type(transform).__name__} needs advantages ([B] or [B, T])")
+        return transform(old_logprobs, rollout_logprobs, response_mask, advantages)
+    return transform(old_logprobs, rollout_logprobs, response_mask)
+
+
 @dataclasses.dataclass(frozen=True)
 class Chain:
     """Composition of transforms (``optax.chain`` style): weights multiply, masks AND, metrics merge.
 
     Every member receives the same (original) inputs, so the weights and mask of a chain do not depend on
-    the members' order; on a metric-name clash the later member's value is kept.
+    the members' order; on a metric-name clash the later member's value is kept. ``advantages`` (optional
+    fourth argument, ``[B]`` or ``[B, T]``) reaches the members that declare ``uses_advantages``.
     """
 
     transforms: tuple = ()
 
-    def __call__(self, old_logprobs, rollout_logprobs, response_mask) -> Correction:
+    @property
+    def uses_advantages(self) -> bool:
+        """True when a member needs the advantages."""
+        return any(getattr(t, "uses_advantages", False) for t in self.transforms)
+
+    def __call__(self, old_logprobs, rollout_logprobs, response_mask, advantages=None) -> Correction:
         """Apply every member and combine; returns a ``Correction``."""
         _, m = _prep(old_logprobs, rollout_logprobs, response_mask)
         w, mask, metrics = m, m, {}
         for t in self.transforms:
-            c = t(old_logprobs, rollout_logprobs, response_mask)
+            c = apply_transform(t, old_logprobs, rollout_logprobs, response_mask, advantages)
             w = w * c.weights
             mask = mask * c.mask
             metrics.update(c.metrics)
