@@ -3,7 +3,7 @@
 ``export_weights`` turns the trainer's HF-named params into :class:`ExportedWeights`: every linear weight of a
 decoder layer (``q/k/v/o_proj``, ``gate/up/down_proj``) becomes e4m3 ``weight`` ``[out, in]`` plus float32
 ``weight_scale_inv`` ``[ceil(out/128), ceil(in/128)]`` (vLLM's blockwise FP8 checkpoint format, as in
-DeepSeek-V3 / Qwen3-FP8 checkpoints); embeddings, norms, biases and ``lm_head`` stay in ``dense_dtype``
+DeepSeek-V3 / Qwen3-FP8 checkpoints); embeddings, norms, biases and ``lm_head`` stay in bf16
 (verl/vLLM keep them unquantized). The whole export is one jitted XLA program: the linear weights are
 grouped by shape and each group is quantized by one :func:`fp8rl_jax.fp8.quantize_weights_batched` call (a
 Pallas kernel on GPU), bit-identical to quantizing them one at a time.
@@ -48,13 +48,18 @@ def _finite_flags(params: dict) -> dict:
     return {k: jnp.all(jnp.isfinite(v)) for k, v in params.items()}
 
 
-@functools.partial(jax.jit, static_argnames=("fmt", "block_size", "ue8m0"))
-def _export(params: dict, fmt: str, block_size: int, ue8m0: bool) -> dict:
+def _in_modules(name: str, modules) -> bool:
+    return any(name == m + ".weight" or name.startswith(m + ".") for m in modules)
+
+
+@functools.partial(jax.jit, static_argnames=("fmt", "block_size", "ue8m0", "unquantized"))
+def _export(params: dict, fmt: str, block_size: int, ue8m0: bool, unquantized: tuple = ()) -> dict:
     out = {}
     dense = jnp.float32 if fmt == "float32" else jnp.bfloat16
     quantized = {}
     if fmt == "fp8_blockwise":
-        linears = {name: w for name, w in params.items() if is_quantized_linear(name)}
+        linears = {name: w for name, w in params.items()
+                   if is_quantized_linear(name) and not _in_modules(name, unquantized)}
         # one quantization call per distinct (shape, dtype): e.g. all layers' q_proj stacked together
         quantized = quantize_weights_batched(linears, block_size, ue8m0, check=False) if linears else {}
     for name, w in params.items():
@@ -67,7 +72,7 @@ def _export(params: dict, fmt: str, block_size: int, ue8m0: bool) -> dict:
 
 def export_weights(params: dict, fmt: str = "fp8_blockwise", *, block_size: int = BLOCK_SIZE, ue8m0: bool = False,
                    version: int = 0, check_finite: bool = True, kv_scales: KVScales | None = None,
-                   kv_scales_version: int | None = None) -> ExportedWeights:
+                   kv_scales_version: int | None = None, unquantized=()) -> ExportedWeights:
     """Export HF-named params for a rollout engine.
 
     Args:
@@ -81,6 +86,9 @@ def export_weights(params: dict, fmt: str = "fp8_blockwise", *, block_size: int 
         with the weights as ``model.layers.{i}.self_attn.{k,v,q}_scale`` float32 scalars.
       kv_scales_version: the weights version the scales were calibrated for (default ``version``); an engine
         refuses to generate from an FP8 cache whose scales are older than its weights.
+      unquantized: module names (``model.layers.3.self_attn.k_proj``, or a prefix such as
+        ``model.layers.3.mlp.experts``) whose linear weights stay bf16 under ``fp8_blockwise``, with
+        no ``weight_scale_inv`` (see :func:`fp8_unloadable_linears`).
 
     Returns:
       :class:`ExportedWeights` (device arrays; no host copy).
@@ -95,7 +103,7 @@ def export_weights(params: dict, fmt: str = "fp8_blockwise", *, block_size: int 
         bad = [k for k, ok in finite.items() if not ok]
         if bad:
             raise ValueError(f"refusing to export non-finite weights: {bad[:5]} contain NaN or inf")
-    tensors = _export(dict(params), fmt, block_size, ue8m0)
+    tensors = _export(dict(params), fmt, block_size, ue8m0, tuple(sorted(unquantized)))
     metadata = {"ue8m0": ue8m0}
     if kv_scales is not None:
         scale_tensors = kv_scales.to_tensors()
@@ -106,3 +114,143 @@ def export_weights(params: dict, fmt: str = "fp8_blockwise", *, block_size: int 
         metadata["kv_scales_version"] = int(version if kv_scales_version is None else kv_scales_version)
     return ExportedWeights(tensors=tensors, format=fmt, block_size=block_size, version=version,
                            metadata=metadata)
+
+
+# --- which FP8 linears the standard loaders can read as 128x128 blockwise FP8 ------------------------------------
+
+# vLLM loads these checkpoint shards into one fused layer (``qkv_proj``, ``gate_up_proj``; MoE experts into one
+# ``FusedMoE`` per layer) and gives a fused layer a single precision.
+VLLM_FUSED_SHARDS = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj",
+                     "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj"}
+_SHARD_ORDER = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+
+
+def vllm_shard_alignment_problem(name: str, shape, block_size: int = BLOCK_SIZE) -> str | None:
+    """vLLM's rule for one FP8 linear weight: a fused shard's output rows must be a multiple of ``block_size``.
+
+    vLLM fuses ``q/k/v_proj`` into ``qkv_proj`` and ``gate/up_proj`` into ``gate_up_proj`` (MoE experts' gate/up into
+    ``w13``); the fused ``weight_scale_inv`` has ``ceil(N_total/128)`` rows, which equals the per-shard block rows
+    only when every shard's N is a multiple of 128, so vLLM's ``BlockQuantScaleParameter`` loader fails otherwise
+    (``validate_fp8_block_shape`` in vLLM 0.32 lets the last shard be ragged at tensor-parallel size 1; this rule
+    does not, so a checkpoint that passes loads at any TP size whose per-rank shards stay 128-aligned).
+
+    Args:
+      name: HF weight name (``model.layers.{i}.self_attn.k_proj.weight``).
+      shape: its ``[out, in]`` shape.
+      block_size: FP8 weight block edge.
+
+    Returns:
+      ``"k_proj has 192 output rows, not a multiple of 128"`` or None (not a fused shard, or aligned).
+    """
+    proj = name.rsplit(".", 2)[-2] if name.endswith(".weight") else name.rsplit(".", 1)[-1]
+    if proj in VLLM_FUSED_SHARDS and int(shape[0]) % block_size:
+        return f"{proj} has {int(shape[0])} output rows, not a multiple of {block_size}"
+    return None
+
+
+def transformers_block_grid_problem(shape, block_size: int = BLOCK_SIZE) -> str | None:
+    """transformers' rule for one FP8 linear weight: every dim a multiple of ``block_size`` or at most it.
+
+    ``transformers`` (5.x) ``Fp8Dequantize`` (``integrations/finegrained_fp8.py``, the path it takes on CPU and on
+    GPUs below sm_89, where it sets ``dequantize=True``) derives the block edge from the scale grid:
+    ``block = dim // ceil(dim/128)``. It raises ``Weight shape (192, 576) not divisible by scale grid (2, 5)``
+    when that division is not exact, and silently uses 96-row blocks where it is (192 rows, 2 grid rows), so a
+    dim above 128 that is not a multiple of 128 cannot be read correctly; a dim up to 128 is one block.
+
+    Returns:
+      ``"dim 576 is neither a multiple of 128 nor <= 128"`` (the first offending dim) or None.
+    """
+    for d in shape:
+        if int(d) > block_size and int(d) % block_size:
+            return f"dim {int(d)} is neither a multiple of {block_size} nor <= {block_size}"
+    return None
+
+
+def fp8_block_alignment_problems(cfg, block_size: int = BLOCK_SIZE) -> list[str]:
+    """Fused linear shards of an architecture that vLLM cannot load as blockwise FP8 (one message per projection).
+
+    The rule is :func:`vllm_shard_alignment_problem` applied to :func:`fp8rl_jax.models.config.hf_param_shapes`
+    (dense MLPs and Qwen3-MoE experts alike). Real FP8 checkpoints (DeepSeek-V3, Qwen3-FP8) satisfy it; e.g.
+    SmolLM2-135M (k_proj 192 rows) does not.
+
+    Args:
+      cfg: :class:`fp8rl_jax.models.config.ModelConfig`.
+      block_size: FP8 weight block edge.
+
+    Returns:
+      human-readable problems in ``q/k/v/gate/up`` order (empty when the architecture can be served as a
+      blockwise FP8 checkpoint by vLLM).
+    """
+    from fp8rl_jax.models.config import hf_param_shapes
+
+    found: dict[str, str] = {}
+    for name, shape in hf_param_shapes(cfg).items():
+        if is_quantized_linear(name):
+            msg = vllm_shard_alignment_problem(name, shape, block_size)
+            if msg:
+                found.setdefault(msg.split()[0], msg)
+    return [found[p] for p in _SHARD_ORDER if p in found]
+
+
+def _fused_group(module: str) -> str:
+    """The vLLM layer a checkpoint module loads into (``...self_attn.qkv_proj``, ``...mlp.experts``, or itself)."""
+    m = re.match(r"^(model\.layers\.\d+\.mlp\.experts)\.\d+\.", module)
+    if m:
+        return m.group(1)
+    parent, proj = module.rsplit(".", 1)
+    return f"{parent}.{VLLM_FUSED_SHARDS[proj]}" if proj in VLLM_FUSED_SHARDS else module
+
+
+def fp8_unloadable_linears(shapes, block_size: int = BLOCK_SIZE) -> dict[str, str]:
+    """The FP8-eligible linears that must stay unquantized for transformers and vLLM to load a blockwise checkpoint.
+
+    A linear is kept when :func:`transformers_block_grid_problem` or :func:`vllm_shard_alignment_problem` flags
+    its weight, or when another shard of the same vLLM fused layer is kept (vLLM's ``is_layer_skipped`` raises
+    ``Detected some but not all shards of ... are quantized``): q/k/v of a layer, gate/up of a dense MLP, and all
+    experts of a MoE layer go together.
+
+    Args:
+      shapes: ``{hf_name: shape}`` (params or :func:`fp8rl_jax.models.config.hf_param_shapes`); only names
+        :func:`is_quantized_linear` accepts are considered.
+      block_size: FP8 weight block edge.
+
+    Returns:
+      ``{module_name: reason}`` in name order, ``module_name`` without ``.weight`` (the names transformers'
+      ``modules_to_not_convert`` and vLLM's ``ignored_layers`` match exactly); a MoE layer's experts appear once,
+      as ``model.layers.{i}.mlp.experts`` (vLLM skips a ``FusedMoE`` whose prefix is contained in an ignored name,
+      transformers skips the ``experts`` module whose name it matches). Reasons are layer-independent text, e.g.
+      ``"transformers: dim 576 is neither a multiple of 128 nor <= 128"``, ``"vLLM: 192 rows, a qkv_proj shard
+      needs a multiple of 128"``, ``"vLLM fuses it with k_proj, v_proj into qkv_proj, one precision per fused
+      layer"``.
+    """
+    own: dict[str, list[str]] = {}
+    groups: dict[str, list[str]] = {}
+    for name, shape in shapes.items():
+        if not is_quantized_linear(name):
+            continue
+        module = name[:-len(".weight")]
+        groups.setdefault(_fused_group(module), []).append(module)
+        why = []
+        t = transformers_block_grid_problem(shape, block_size)
+        if t:
+            why.append(f"transformers: {t}")
+        if vllm_shard_alignment_problem(name, shape, block_size):
+            fused = VLLM_FUSED_SHARDS[module.rsplit(".", 1)[1]]
+            why.append(f"vLLM: {int(shape[0])} rows, a {fused} shard needs a multiple of {block_size}")
+        if why:
+            own[module] = why
+    out: dict[str, str] = {}
+    for group, members in groups.items():
+        bad = [m for m in members if m in own]
+        if not bad:
+            continue
+        if group.endswith(".mlp.experts"):
+            reasons = sorted({r for m in bad for r in own[m]})
+            out[group] = "; ".join(reasons) + " (experts of a layer are one vLLM FusedMoE)"
+            continue
+        fused = group.rsplit(".", 1)[1]
+        culprits = sorted({m.rsplit(".", 1)[1] for m in bad})
+        for m in members:
+            out[m] = ("; ".join(own[m]) if m in own
+                      else f"vLLM fuses it with {', '.join(culprits)} into {fused}, one precision per fused layer")
+    return dict(sorted(out.items()))

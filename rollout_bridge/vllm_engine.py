@@ -34,6 +34,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from fp8rl_jax.export import fp8_block_alignment_problems  # noqa: F401  (the one rule; re-exported here)
 from fp8rl_jax.fp8.kv_cache import is_kv_scale_name, normalize_kv_cache_dtype
 from fp8rl_jax.models.config import ModelConfig, hf_param_shapes
 from fp8rl_jax.rollout.engine import check_weights_current
@@ -69,24 +70,6 @@ def write_vllm_config_dir(path: str, cfg: ModelConfig, *, fp8: bool = False, blo
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(d, f, indent=2)
     return path
-
-
-def fp8_block_alignment_problems(cfg: ModelConfig, block_size: int = 128) -> list[str]:
-    """Linear shards whose output rows are not a multiple of ``block_size``.
-
-    vLLM fuses ``q/k/v_proj`` into ``qkv_proj`` and ``gate/up_proj`` into ``gate_up_proj``; with blockwise FP8 the
-    fused ``weight_scale_inv`` has ``ceil(N_total/128)`` rows, which equals the per-shard block rows only when every
-    shard's N is a multiple of 128 (vLLM's ``BlockQuantScaleParameter`` loader fails otherwise). Real FP8 checkpoints
-    (DeepSeek-V3, Qwen3-FP8) satisfy this; e.g. SmolLM2-135M (k_proj 192 rows) does not.
-
-    Returns:
-      human-readable problems (empty when the architecture can be served as a blockwise FP8 checkpoint).
-    """
-    d = cfg.head_dim
-    shards = {"q_proj": cfg.num_attention_heads * d, "k_proj": cfg.num_key_value_heads * d,
-              "v_proj": cfg.num_key_value_heads * d, "gate_proj": cfg.intermediate_size,
-              "up_proj": cfg.intermediate_size}
-    return [f"{k} has {n} output rows, not a multiple of {block_size}" for k, n in shards.items() if n % block_size]
 
 
 def _cuda_available() -> bool:

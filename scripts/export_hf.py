@@ -5,8 +5,11 @@
     python scripts/export_hf.py --run_dir=runs/quickstart --format=fp8 --step=20 --output=exported/fp8
 
 The FP8 directory carries ``quantization_config`` (``quant_method: fp8``, ``fmt: e4m3``, ``activation_scheme:
-dynamic``, ``weight_block_size: [128, 128]``) and ``weight_scale_inv`` tensors, the layout vLLM and transformers
-load as a blockwise FP8 checkpoint. Exit status 2 with a one-line message for a missing run or checkpoint.
+dynamic``, ``weight_block_size: [128, 128]``, ``modules_to_not_convert`` / ``ignored_layers``) and
+``weight_scale_inv`` tensors, the layout vLLM and transformers load as a blockwise FP8 checkpoint. Linears that one
+of them cannot load as 128x128 blockwise FP8 (e.g. all of SmolLM2-135M's: hidden size 576, k_proj 192 rows) are
+written in bf16, listed under those two keys, and named in one printed line. Exit status 2 with a one-line message
+for a missing run or checkpoint.
 """
 
 from __future__ import annotations
@@ -32,7 +35,8 @@ def main(argv=None) -> int:
     from fp8rl_jax.trainer.hf_export import export_checkpoint_to_hf
 
     try:
-        path = export_checkpoint_to_hf(args.run_dir, args.output, fmt=args.format, step=args.step, model=args.model)
+        path = export_checkpoint_to_hf(args.run_dir, args.output, fmt=args.format, step=args.step, model=args.model,
+                                      log=print)
     except (FileNotFoundError, ValueError) as e:
         return fail(str(e))
     print(f"wrote {args.format} HF directory {path}")

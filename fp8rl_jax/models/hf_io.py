@@ -127,9 +127,20 @@ def save_hf_dir(path: str, cfg: ModelConfig, params: dict[str, Any], *, max_shar
         ``quantization_config``).
       params: ``{hf_name: array}`` (numpy or jax; any dtype including e4m3).
       max_shard_bytes: shard size limit; writes ``model-0000i-of-0000n.safetensors`` + index when exceeded.
+      extra_config: keys merged into ``config.json``.
+
+    The safetensors files carry header metadata ``{"format": "pt"}`` (what ``safetensors.torch.save_file`` writes
+    and torch-side loaders expect) and get the mode of a normally created file, ``0666 & ~umask`` (the
+    ``safetensors`` writer itself leaves 0600).
     """
-    import jax.numpy as jnp
-    from safetensors.flax import save_file
+    from safetensors.numpy import save_file as _save_np
+
+    umask = os.umask(0)  # read the process umask (no portable getter); restored at once
+    os.umask(umask)
+
+    def save_file(tensors: dict[str, Any], file: str) -> None:
+        _save_np({k: np.asarray(v) for k, v in tensors.items()}, file, metadata={"format": "pt"})
+        os.chmod(file, 0o666 & ~umask)
 
     os.makedirs(path, exist_ok=True)
     conf = cfg.to_hf_dict()
@@ -147,13 +158,13 @@ def save_hf_dir(path: str, cfg: ModelConfig, params: dict[str, Any], *, max_shar
         shards[-1].append((name, arr))
         size += nbytes
     if len(shards) == 1:
-        save_file({k: jnp.asarray(v) for k, v in shards[0]}, os.path.join(path, SINGLE_NAME))
+        save_file(dict(shards[0]), os.path.join(path, SINGLE_NAME))
         return
     weight_map = {}
     n = len(shards)
     for i, shard in enumerate(shards):
         fname = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
-        save_file({k: jnp.asarray(v) for k, v in shard}, os.path.join(path, fname))
+        save_file(dict(shard), os.path.join(path, fname))
         weight_map.update({k: fname for k, _ in shard})
     total = sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for _, a in items)
     with open(os.path.join(path, INDEX_NAME), "w") as f:
