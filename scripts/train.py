@@ -3,13 +3,19 @@
 
     python scripts/train.py --gin_file=configs/quickstart.gin --gin_param='train.num_steps=3' --output_dir=DIR
     python scripts/train.py ... --output_dir=DIR --resume      # continue from DIR/checkpoints (latest step)
+    python scripts/train.py ... --output_dir=DIR --resume=auto # continue if DIR has a checkpoint, else start
+    python scripts/train.py ... --output_dir=DIR --overwrite   # replace an earlier run in DIR
+
+A new run refuses an --output_dir that holds an earlier run's metrics or checkpoints (exit 2, one line naming
+--resume and --overwrite), and --resume refuses a directory without a checkpoint, before any work.
 
 Training precision is one gin line: ``train.train_precision = "bf16"`` | ``"fp16"`` | ``"fp8"`` (default
 ``"float32"``). Checkpoints: ``train.checkpoint_every`` / ``train.keep_checkpoints`` (orbax, async).
 
 ``--gin_file`` and ``--gin_param`` may repeat; bindings use the names of ``fp8rl_jax.trainer.TrainConfig``
 (``train.*``), ``LossConfig.*`` (policy loss and rollout correction) and ``chain_sum_dataset.*``.
-Exit status 2 with a one-line message for a bad gin file or binding.
+Exit status 2 with a one-line message for a bad gin file or binding, a bad run directory, or a model file that
+cannot be loaded (set FP8RL_DEBUG=1 for the traceback); 130 on Ctrl-C, naming the checkpoint kept.
 """
 
 from __future__ import annotations
@@ -27,19 +33,49 @@ def main(argv=None) -> int:
     """Parse the gin flags and train; returns the exit status (2 with a one-line message on bad input)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_gin_flags(parser)
-    parser.add_argument("--resume", action="store_true",
-                        help="continue from the latest checkpoint in OUTPUT_DIR/checkpoints (same as train.resume=True)")
+    parser.add_argument("--resume", nargs="?", const="yes", choices=["yes", "auto"], default=None,
+                        help="continue from the latest checkpoint in OUTPUT_DIR/checkpoints (train.resume=True); "
+                             "--resume=auto: continue if there is one, else start a new run")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="delete an earlier run's metrics, checkpoints and plots in OUTPUT_DIR and start anew")
     args = parser.parse_args(argv)
-    cfg, error = config_from_gin_flags(args, **({"resume": True} if args.resume else {}))
+    overrides = {}
+    if args.resume:
+        overrides["resume"] = True if args.resume == "yes" else "auto"
+    if args.overwrite:
+        overrides["overwrite"] = True
+    cfg, error = config_from_gin_flags(args, **overrides)
     if error:
         return fail(error)
     from fp8rl_jax.trainer import train
 
     try:
         train(cfg)
-    except FileNotFoundError as e:  # e.g. a checkpoint with missing files: one clear line, no traceback
-        return fail(str(e))
+    except KeyboardInterrupt:
+        code = interrupted(cfg.output_dir)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # Leave now: orbax's background threads would log tracebacks during interpreter shutdown. A save that was
+        # in flight stays an uncommitted temporary directory; orbax commits by rename, so the kept one is whole.
+        os._exit(code)
+    except (FileNotFoundError, ValueError) as e:  # bad run dir, model file, checkpoint: one clear line
+        if os.environ.get("FP8RL_DEBUG"):
+            raise
+        return fail(f"{e} (FP8RL_DEBUG=1 shows the traceback)")
     return 0
+
+
+def interrupted(output_dir: str) -> int:
+    """Ctrl-C: say which checkpoint is kept and how to continue (exit status 130, no traceback)."""
+    ckpt = os.path.join(output_dir, "checkpoints")
+    steps = sorted(int(n) for n in os.listdir(ckpt) if n.isdigit()) if os.path.isdir(ckpt) else []
+    if steps:
+        print(f"interrupted: checkpoint of step {steps[-1]} kept in {ckpt}/{steps[-1]}; continue with the same "
+              "command plus --resume", file=sys.stderr)
+    else:
+        print(f"interrupted before the first checkpoint: nothing to resume in {output_dir} (rerun with "
+              "--overwrite)", file=sys.stderr)
+    return 130
 
 
 if __name__ == "__main__":

@@ -111,3 +111,91 @@ def test_corrupt_and_mismatched_checkpoints(tmp_path):
     f.write_bytes(b"garbage")
     with pytest.raises(CheckpointError, match="corrupt"):
         load_hf_dir(str(tmp_path))
+
+
+# -- a new user's first hour (issue 17): re-runs, --resume, bad bindings, corrupt files, Ctrl-C -------------------
+
+def _tiny_args(tiny_dir, out, steps=1, *extra):
+    return ["--gin_file=configs/quickstart.gin", f"--gin_param=train.model='{tiny_dir}'",
+            f"--gin_param=train.num_steps={steps}", "--gin_param=train.prompts_per_step=2",
+            "--gin_param=train.samples_per_prompt=2", "--gin_param=train.max_tokens=4",
+            "--gin_param=train.checkpoint_every=1", "--gin_param=train.async_checkpoint=False",
+            "--gin_param=train.progress_bar=False", "--gin_param=train.plots=False", f"--output_dir={out}", *extra]
+
+
+def _one_error_line(r):
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert r.returncode == 2 and len(errors) == 1 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    return errors[0]
+
+
+def _snapshot(out):
+    """Bytes of every file under the run directory (what a refused command must leave as it was)."""
+    return {str(p.relative_to(out)): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.slow
+def test_a_rerun_is_refused_until_resume_or_overwrite(tiny_dir, tmp_path):
+    out = tmp_path / "try"
+    assert _run_train(_tiny_args(tiny_dir, out)).returncode == 0
+    before = _snapshot(out)
+    line = _one_error_line(_run_train(_tiny_args(tiny_dir, out)))  # the same command again
+    assert "already holds a run" in line and "--resume" in line and "--overwrite" in line
+    assert _snapshot(out) == before  # nothing lost, nothing touched
+    r = _run_train(_tiny_args(tiny_dir, out, 2, "--resume"))
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+    r = _run_train(_tiny_args(tiny_dir, out, 1, "--overwrite"))
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()] == [1]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir() if p.name.isdigit()) == ["1"]
+
+
+@pytest.mark.slow
+def test_resume_without_a_checkpoint_says_so(tiny_dir, tmp_path):
+    empty = tmp_path / "empty"
+    line = _one_error_line(_run_train(_tiny_args(tiny_dir, empty, 1, "--resume")))
+    assert "no checkpoint" in line and "--resume=auto" in line and not (empty / "metrics.jsonl").exists()
+    r = _run_train(_tiny_args(tiny_dir, empty, 1, "--resume=auto"))  # auto: starts fresh
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert len((empty / "metrics.jsonl").read_text().splitlines()) == 1
+
+
+@pytest.mark.parametrize("binding,named", [('train.learning_rate="1e-5"', "train.learning_rate='1e-5'"),
+                                           ('train.temperature="hot"', "train.temperature='hot'"),
+                                           ('LossConfig.clip_ratio_high="x"', "LossConfig.clip_ratio_high='x'"),
+                                           ("train.num_stepz=3", "num_stepz")])
+def test_wrong_bindings_fail_in_one_line_before_any_work(tmp_path, binding, named):
+    out = tmp_path / "never"
+    r = _run_train(["--gin_file=configs/quickstart.gin", f"--gin_param={binding}", f"--output_dir={out}"])
+    assert named in _one_error_line(r)
+    assert not out.exists()  # no run directory left behind
+
+
+def test_a_corrupt_gguf_fails_in_one_line(tmp_path, smollm2_path):
+    bad = tmp_path / "broken.gguf"
+    with open(smollm2_path, "rb") as f:
+        bad.write_bytes(f.read(100_000))
+    line = _one_error_line(_run_train(["--gin_file=configs/quickstart.gin", f"--gin_param=train.model='{bad}'",
+                                       f"--output_dir={tmp_path / 'run'}"]))
+    assert "corrupt or truncated GGUF" in line
+
+
+@pytest.mark.slow
+def test_ctrl_c_names_the_kept_checkpoint(tiny_dir, tmp_path):
+    import signal
+    import time
+
+    out = tmp_path / "int"
+    p = subprocess.Popen([sys.executable, "scripts/train.py", *_tiny_args(tiny_dir, out, 50)], cwd=ROOT,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    deadline = time.time() + 300
+    while time.time() < deadline and not (out / "checkpoints" / "1").is_dir():
+        time.sleep(0.5)
+    p.send_signal(signal.SIGINT)
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 130 and "Traceback" not in err, err[-2000:]
+    assert "interrupted: checkpoint of step" in err and "--resume" in err
+    step = int(err.split("checkpoint of step ")[1].split()[0])
+    assert (out / "checkpoints" / str(step)).is_dir()

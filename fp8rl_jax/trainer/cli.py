@@ -33,15 +33,23 @@ def config_from_gin_flags(args: argparse.Namespace, **overrides):
     try:
         gin.parse_config_files_and_bindings(args.gin_file, args.gin_param)
     except (ValueError, KeyError, SyntaxError, ImportError, TypeError) as e:
-        return None, f"bad gin configuration: {e}"
+        return None, f"bad gin configuration: {str(e).splitlines()[0]}"
     from fp8rl_jax.trainer import TrainConfig
 
     if args.output_dir:
         overrides["output_dir"] = args.output_dir
     try:
-        return TrainConfig(**overrides), None
+        cfg = TrainConfig(**overrides)
     except (ValueError, TypeError) as e:
-        return None, f"bad configuration: {e}"
+        return None, f"bad configuration: {str(e).splitlines()[0]}"  # gin appends "In call to ..." lines
+    try:  # the loss settings are built by the trainer later: check their bindings now, before any work
+        from fp8rl_jax.objectives import LossConfig
+        from fp8rl_jax.trainer.validation import check_field_types
+
+        check_field_types(LossConfig(), "LossConfig")
+    except (ValueError, TypeError) as e:
+        return None, f"bad configuration: {str(e).splitlines()[0]}"  # gin appends "In call to ..." lines
+    return cfg, None
 
 
 def fail(message: str) -> int:

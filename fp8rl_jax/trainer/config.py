@@ -16,6 +16,7 @@ from fp8rl_jax.fp8.training import GRAD_PRECISIONS
 from fp8rl_jax.rollout.verify import MISMATCH_ACTIONS, VERIFY_SYNC_MODES
 from fp8rl_jax.trainer.dapo import FILTER_METRICS
 from fp8rl_jax.trainer.precision import TRAIN_PRECISIONS
+from fp8rl_jax.trainer.validation import check_field_types
 
 ROLLOUT_PRECISIONS = ("fp8", "bf16", "float32")
 TRAIN_DTYPES = ("float32",)
@@ -48,7 +49,11 @@ class TrainConfig:
       checkpoint_every: save an orbax checkpoint every N steps (and after the last step); 0 = never.
       keep_checkpoints: keep the last k checkpoints (orbax ``max_to_keep``).
       async_checkpoint: write checkpoints in the background while training goes on (orbax async).
-      resume: continue from the latest checkpoint in ``output_dir`` when there is one.
+      resume: ``True`` (``--resume``): continue from the latest checkpoint in ``output_dir``, which must exist;
+        ``"auto"`` (``--resume=auto``): continue when there is one, else start fresh; ``False``: a new run, and
+        ``output_dir`` must hold no earlier run's metrics or checkpoints (checked before any work).
+      overwrite: (``--overwrite``) delete an earlier run's metrics, checkpoints, events and plots in
+        ``output_dir`` and start fresh.
       plots: write PNG plots of the run's metrics at the end.
       learning_rate, weight_decay, adam_b1, adam_b2, adam_eps, warmup_steps, max_grad_norm: optax AdamW with
         linear warmup and global-norm clipping.
@@ -118,7 +123,8 @@ class TrainConfig:
     checkpoint_every: int = 10
     keep_checkpoints: int = 2
     async_checkpoint: bool = True
-    resume: bool = False
+    resume: bool | str = False
+    overwrite: bool = False
     plots: bool = True
     learning_rate: float = 1e-6
     weight_decay: float = 0.0
@@ -178,6 +184,9 @@ class TrainConfig:
             raise ValueError(f"train.{name} must be an int >= {lo}{' or None' if allow_none else ''}, got {v!r}")
 
     def __post_init__(self):
+        check_field_types(self, "train")  # types first: a str learning rate is named, not a '<=' TypeError later
+        if self.resume not in (True, False, "auto"):
+            raise ValueError(f"train.resume must be True, False or 'auto', got {self.resume!r}")
         choice = self._choice
         choice("task", TRAIN_TASKS)
         choice("rollout_precision", ROLLOUT_PRECISIONS)

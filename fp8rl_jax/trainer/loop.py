@@ -43,6 +43,7 @@ from fp8rl_jax.trainer.precision import (LossScaleConfig, LossScaleState, adjust
                                          apply_train_precision, compute_dtype, init_loss_scale, unscale,
                                          wrap_optimizer)
 from fp8rl_jax.trainer.logprobs import left_pad, response_logprobs
+from fp8rl_jax.trainer.validation import prepare_run_dir
 
 _ADVANTAGES = {"grpo": objectives.grpo_advantages, "drgrpo": objectives.drgrpo_advantages,
                "rloo": objectives.rloo_advantages}
@@ -579,11 +580,13 @@ def train(config: TrainConfig | None = None, *, trainer: RLTrainer | None = None
     (``tensorboard/``), orbax checkpoints (``checkpoints/<step>/`` every ``checkpoint_every`` steps and after
     the last one, the last ``keep_checkpoints`` kept), ``summary.json`` and PNG plots (``plots/``).
 
-    With ``resume=True`` and a checkpoint in ``output_dir/checkpoints``, the run continues from the latest
-    one: params, optimizer state, loss scale, step, data position and registered extra state are restored,
+    Before any work the run directory is checked (:func:`fp8rl_jax.trainer.validation.prepare_run_dir`): a new
+    run refuses a directory holding an earlier run unless ``overwrite``; ``resume=True`` needs a checkpoint there
+    (``resume="auto"`` starts fresh without one). With a checkpoint in ``output_dir/checkpoints``, a resumed run
+    continues from the latest one: params, optimizer state, loss scale, step, data position and registered extra state are restored,
     ``metrics.jsonl`` keeps its lines up to that step and is appended to, and the remaining steps produce the
     same metrics as an uninterrupted run (the RNG streams are functions of ``(seed, step)``). Without a
-    checkpoint a resumed run starts from step 0.
+    checkpoint a ``resume="auto"`` run starts from step 0.
 
     Args:
       config: the run config (default: ``TrainConfig()`` as bound by gin).
@@ -594,6 +597,7 @@ def train(config: TrainConfig | None = None, *, trainer: RLTrainer | None = None
       the per-step metric dicts of the whole run (on resume: the earlier lines of ``metrics.jsonl`` too).
 
     Raises:
+      RunDirError (a ValueError): the run directory conflicts with ``resume``/``overwrite`` (nothing was done).
       ValueError: bad config; a checkpoint that belongs to another model/precision.
       FileNotFoundError: a checkpoint with missing files.
     """
@@ -604,6 +608,7 @@ def train(config: TrainConfig | None = None, *, trainer: RLTrainer | None = None
     cfg = config or TrainConfig()
     if overrides:
         cfg = dataclasses.replace(cfg, **overrides)
+    prepare_run_dir(cfg.output_dir, cfg.resume, cfg.overwrite)  # before any work: never clobber an earlier run
     os.makedirs(cfg.output_dir, exist_ok=True)
     try:
         import gin
