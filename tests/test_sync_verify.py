@@ -103,9 +103,9 @@ def test_verify_sync_modes_and_an_engine_without_score(model_dir):
     assert math.isnan(tr.step()["sync/probe_abs_diff"])  # later syncs unchecked
     off = _trainer(model_dir, rollout_precision="bf16", verify_sync="off")
     assert math.isnan(off.last_probe_diff)
-    off.engine = object()
-    with pytest.raises(TypeError, match="score"):
-        off.verify_sync()
+    off.engine = object()  # an injected engine without score(): not checked, said once
+    with pytest.warns(RuntimeWarning, match="no score"):
+        assert math.isnan(off.verify_sync())
     from fp8rl_jax.trainer import TrainConfig
 
     with pytest.raises(ValueError, match="verify_sync"):
