@@ -87,8 +87,11 @@ def make_sync_probe(encode, vocab_size: int, texts: Sequence[tuple[str, str]] = 
     return SyncProbe(tuple(prompts), tuple(conts))
 
 
-def _fp8_kv(kv_cache_dtype: str) -> bool:
-    return kv_cache_dtype in ("fp8", "fp8_e4m3")
+def _by_precision(table: dict, fp8_kv_extra: float, rollout_precision: str, kv_cache_dtype: str) -> float:
+    """``table[rollout_precision]``, plus ``fp8_kv_extra`` with an e4m3 KV cache (ValueError: unknown precision)."""
+    if rollout_precision not in table:
+        raise ValueError(f"unknown rollout precision {rollout_precision!r}; expected one of {list(table)}")
+    return table[rollout_precision] + (fp8_kv_extra if kv_cache_dtype in ("fp8", "fp8_e4m3") else 0.0)
 
 
 def probe_tolerance(rollout_precision: str, kv_cache_dtype: str = "auto") -> float:
@@ -97,9 +100,7 @@ def probe_tolerance(rollout_precision: str, kv_cache_dtype: str = "auto") -> flo
     Raises:
       ValueError: unknown ``rollout_precision``.
     """
-    if rollout_precision not in PROBE_TOLERANCE:
-        raise ValueError(f"unknown rollout precision {rollout_precision!r}; expected one of {list(PROBE_TOLERANCE)}")
-    return PROBE_TOLERANCE[rollout_precision] + (PROBE_TOLERANCE_FP8_KV if _fp8_kv(kv_cache_dtype) else 0.0)
+    return _by_precision(PROBE_TOLERANCE, PROBE_TOLERANCE_FP8_KV, rollout_precision, kv_cache_dtype)
 
 
 def mismatch_bound(rollout_precision: str, kv_cache_dtype: str = "auto") -> float:
@@ -108,9 +109,7 @@ def mismatch_bound(rollout_precision: str, kv_cache_dtype: str = "auto") -> floa
     Raises:
       ValueError: unknown ``rollout_precision``.
     """
-    if rollout_precision not in MISMATCH_K3_BOUND:
-        raise ValueError(f"unknown rollout precision {rollout_precision!r}; expected one of {list(MISMATCH_K3_BOUND)}")
-    return MISMATCH_K3_BOUND[rollout_precision] + (MISMATCH_K3_BOUND_FP8_KV if _fp8_kv(kv_cache_dtype) else 0.0)
+    return _by_precision(MISMATCH_K3_BOUND, MISMATCH_K3_BOUND_FP8_KV, rollout_precision, kv_cache_dtype)
 
 
 def _flat(rows: Sequence[np.ndarray]) -> np.ndarray:

@@ -122,6 +122,7 @@ class RLTrainer:
         self.sync_probe = verify.make_sync_probe(self.tokenizer.encode, model_cfg.vocab_size)
         self._probe_previous: list | None = None
         self._syncs_verified = 0
+        self._warned_no_score = False
         self.last_probe_diff = self._verify_after_sync()
 
     # -- checkpoints (orbax; see fp8rl_jax.trainer.checkpoint) ----------------------------------------------
@@ -222,7 +223,7 @@ class RLTrainer:
         """
         probe, cfg = self.sync_probe, self.cfg
         if not hasattr(self.engine, "score"):  # an injected engine (tests, custom engines) may not score
-            if not getattr(self, "_warned_no_score", False):
+            if not self._warned_no_score:
                 warnings.warn(f"{type(self.engine).__name__} has no score(prompt_token_ids, continuation_ids) "
                               "method: weight syncs into it are not content-checked (train.verify_sync)",
                               RuntimeWarning, stacklevel=2)
