@@ -4,9 +4,10 @@
 decoder layer (``q/k/v/o_proj``, ``gate/up/down_proj``) becomes e4m3 ``weight`` ``[out, in]`` plus float32
 ``weight_scale_inv`` ``[ceil(out/128), ceil(in/128)]`` (vLLM's blockwise FP8 checkpoint format, as in
 DeepSeek-V3 / Qwen3-FP8 checkpoints); embeddings, norms, biases and ``lm_head`` stay in bf16
-(verl/vLLM keep them unquantized). The whole export is one jitted XLA program: the linear weights are
-grouped by shape and each group is quantized by one :func:`fp8rl_jax.fp8.quantize_weights_batched` call (a
-Pallas kernel on GPU), bit-identical to quantizing them one at a time.
+(verl/vLLM keep them unquantized). The whole export is one jitted XLA program: each linear weight is quantized
+by its own :func:`fp8rl_jax.fp8.quantize_weights_batched` call inside it (a Pallas kernel on GPU; no stacking
+copies), bit-identical to quantizing them one at a time, and the program also returns one finiteness flag per
+tensor, so the NaN/inf check costs no extra pass over the weights and one small host read.
 
 With ``kv_scales`` the per-layer FP8 attention scales ride along under vLLM's checkpoint names
 ``model.layers.{i}.self_attn.{k,v,q}_scale`` (float32 scalars; vLLM's loader maps them to
@@ -20,6 +21,8 @@ import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax import lax
 
 from fp8rl_jax.fp8 import BLOCK_SIZE, quantize_weights_batched
 from fp8rl_jax.fp8.kv_cache import KVScales
@@ -41,33 +44,75 @@ def is_quantized_linear(name: str) -> bool:
     return bool(_LINEAR.match(name))
 
 
-@jax.jit
-def _finite_flags(params: dict) -> dict:
-    # Module-level so the trainer's per-step export reuses one compiled program (a fresh jit(lambda) per
-    # call recompiled every step).
-    return {k: jnp.all(jnp.isfinite(v)) for k, v in params.items()}
-
-
 def _in_modules(name: str, modules) -> bool:
     return any(name == m + ".weight" or name.startswith(m + ".") for m in modules)
 
 
-@functools.partial(jax.jit, static_argnames=("fmt", "block_size", "ue8m0", "unquantized"))
-def _export(params: dict, fmt: str, block_size: int, ue8m0: bool, unquantized: tuple = ()) -> dict:
-    out = {}
+def _nan_code_present(q: jax.Array) -> jax.Array:
+    """bool scalar: does the e4m3 array ``q`` hold a NaN code (``0x7F``/``0xFF``)?
+
+    The quantizer maps every non-finite input to NaN and nothing else to it (``cast_to_e4m3`` saturates finite
+    values at 448 = ``0x7E``; NaN -> NaN; an inf makes its block's scale inf, so ``inf * (1/inf)`` is NaN), so
+    this is exactly "the weight held NaN or inf". It reads the 1-byte output, not the weight again. The scale
+    alone would not do on CPU: XLA CPU's vectorized max/min drop NaN depending on its position (a NaN was
+    missed in 140 of 320 random placements, measured with jax 0.10.2).
+    """
+    # the barrier makes XLA reduce the stored q instead of fusing (re-running) the whole quantization into the
+    # reduction. Cost on CPU (Qwen3-0.6B shapes, loaded 2-core Xeon, /tmp profile, not a benchmark): these flags
+    # still add ~0.3 s (linears) + ~1 s (dense tensors, mostly the 622 MB float32 embedding) to a ~0.9 s
+    # quantization: about what the old separate finiteness pass cost. Making them cheap is open (issue 18).
+    b = lax.bitcast_convert_type(lax.optimization_barrier(q), jnp.uint8)
+    return jnp.max(b & jnp.uint8(0x7F)) == jnp.uint8(0x7F)
+
+
+_EXP_MASK = {2: (jnp.uint16, 0x7F80), 4: (jnp.uint32, 0x7F800000)}
+
+
+def _nonfinite_present(w: jax.Array) -> jax.Array:
+    """bool scalar: does the float array ``w`` hold NaN/inf? Exact: an all-ones exponent field, found by an integer
+    max over the bits (bf16 and float32; other dtypes: ``isfinite``)."""
+    w = jnp.asarray(w)
+    if w.dtype.itemsize not in _EXP_MASK or not jnp.issubdtype(w.dtype, jnp.floating) or w.size == 0:
+        return ~jnp.all(jnp.isfinite(w))
+    ut, mask = _EXP_MASK[w.dtype.itemsize]
+    return jnp.max(lax.bitcast_convert_type(w, ut) & ut(mask)) == ut(mask)
+
+
+
+@functools.partial(jax.jit, static_argnames=("fmt", "block_size", "ue8m0", "unquantized", "check", "stack"))
+def _export(params: dict, fmt: str, block_size: int, ue8m0: bool, unquantized: tuple = (), check: bool = True,
+            stack: bool = False):
+    """The whole export as one XLA program: ``({name: array}, bad)``.
+
+    ``bad`` is a bool ``[len(params)]`` in ``sorted(params)`` order (True: that tensor holds NaN/inf), or None
+    without ``check``. Linears are quantized one call per weight (``stack=False``, no stack/slice copies; see
+    :func:`fp8rl_jax.fp8.quantize_weights_batched`); their finiteness comes from the quantized output (or from
+    the scales where the quantizer propagates NaN into them, the GPU Pallas kernel), dense tensors' from an
+    ``isfinite`` reduction fused with their cast.
+    """
+    from fp8rl_jax.fp8.pallas_quant import gpu_lowering_available
+
+    out, bad = {}, []
     dense = jnp.float32 if fmt == "float32" else jnp.bfloat16
     quantized = {}
     if fmt == "fp8_blockwise":
         linears = {name: w for name, w in params.items()
                    if is_quantized_linear(name) and not _in_modules(name, unquantized)}
-        # one quantization call per distinct (shape, dtype): e.g. all layers' q_proj stacked together
-        quantized = quantize_weights_batched(linears, block_size, ue8m0, check=False) if linears else {}
-    for name, w in params.items():
+        quantized = (quantize_weights_batched(linears, block_size, ue8m0, check=False, stack=stack)
+                     if linears else {})
+    scale_has_nan = gpu_lowering_available()  # the Pallas GPU kernel maps NaN to inf before its block max
+    for name in sorted(params):
+        w = params[name]
         if name in quantized:
-            out[name], out[name + "_scale_inv"] = quantized[name]
+            q, s = quantized[name]
+            out[name], out[name + "_scale_inv"] = q, s
+            if check:
+                bad.append(~jnp.all(jnp.isfinite(s)) if scale_has_nan else _nan_code_present(q))
         else:
             out[name] = w.astype(dense)
-    return out
+            if check:
+                bad.append(_nonfinite_present(w))
+    return out, (jnp.stack(bad) if bad else None)
 
 
 def export_weights(params: dict, fmt: str = "fp8_blockwise", *, block_size: int = BLOCK_SIZE, ue8m0: bool = False,
@@ -75,13 +120,21 @@ def export_weights(params: dict, fmt: str = "fp8_blockwise", *, block_size: int 
                    kv_scales_version: int | None = None, unquantized=()) -> ExportedWeights:
     """Export HF-named params for a rollout engine.
 
+    One compiled XLA program per (names, shapes, dtypes, options), cached by ``jax.jit``: every linear is
+    quantized by its own call inside it (no stacking copies), dense tensors are cast, and the finiteness of every
+    tensor is computed in the same program (a bool per tensor), so the whole export is one dispatch plus, with
+    ``check_finite``, one small host read of those flags (which waits for the program; a sender waits for it
+    anyway before handing the buffers on).
+
     Args:
       params: ``{hf_name: array}`` (the trainer's float32/bf16 params, e.g. ``named_params(model)``).
       fmt: ``"fp8_blockwise"`` | ``"bf16"`` | ``"float32"``.
       block_size: FP8 weight block edge (128).
       ue8m0: power-of-two scales.
       version: weights version recorded in the result (the trainer step).
-      check_finite: refuse to export NaN/inf weights (one fused reduction; names the first bad tensor).
+      check_finite: refuse to export NaN/inf weights (names the bad tensors). Judged inside the export program:
+        for a quantized linear from its e4m3 output (a NaN code appears exactly where the weight held NaN/inf),
+        for a dense tensor from an ``isfinite`` reduction. Skipped when traced (``jax.eval_shape``/``jit``).
       kv_scales: per-layer FP8 KV-cache / attention scales (:class:`fp8rl_jax.fp8.kv_cache.KVScales`) to ship
         with the weights as ``model.layers.{i}.self_attn.{k,v,q}_scale`` float32 scalars.
       kv_scales_version: the weights version the scales were calibrated for (default ``version``); an engine
@@ -91,19 +144,21 @@ def export_weights(params: dict, fmt: str = "fp8_blockwise", *, block_size: int 
         no ``weight_scale_inv`` (see :func:`fp8_unloadable_linears`).
 
     Returns:
-      :class:`ExportedWeights` (device arrays; no host copy).
+      :class:`ExportedWeights` (device arrays; no host copy), ``tensors`` in sorted name order.
 
     Raises:
-      ValueError: unknown ``fmt``, or a non-finite weight (named).
+      ValueError: unknown ``fmt``, or a non-finite weight (the first five bad names).
     """
     if fmt not in EXPORT_FORMATS:
         raise ValueError(f"unknown export format {fmt!r}; expected one of {EXPORT_FORMATS}")
-    if check_finite:
-        finite = jax.device_get(_finite_flags(dict(params)))
-        bad = [k for k, ok in finite.items() if not ok]
-        if bad:
-            raise ValueError(f"refusing to export non-finite weights: {bad[:5]} contain NaN or inf")
-    tensors = _export(dict(params), fmt, block_size, ue8m0, tuple(sorted(unquantized)))
+    params = dict(params)
+    tensors, bad = _export(params, fmt, block_size, ue8m0, tuple(sorted(unquantized)), bool(check_finite))
+    if check_finite and bad is not None and not isinstance(bad, jax.core.Tracer):
+        flags = np.asarray(jax.device_get(bad))
+        if flags.any():
+            names = sorted(params)
+            raise ValueError(f"refusing to export non-finite weights: {[names[i] for i in np.flatnonzero(flags)[:5]]} "
+                             "contain NaN or inf")
     metadata = {"ue8m0": ue8m0}
     if kv_scales is not None:
         scale_tensors = kv_scales.to_tensors()
@@ -114,6 +169,37 @@ def export_weights(params: dict, fmt: str = "fp8_blockwise", *, block_size: int 
         metadata["kv_scales_version"] = int(version if kv_scales_version is None else kv_scales_version)
     return ExportedWeights(tensors=tensors, format=fmt, block_size=block_size, version=version,
                            metadata=metadata)
+
+
+class ModelParamsReader:
+    """``{hf_name: array}`` of an NNX model without walking its graph on every call.
+
+    The graph walk (``nnx.state(model, nnx.Param)`` + flattening, what
+    :func:`fp8rl_jax.models.decoder.named_params` does) runs once, here; a call reads the current value of each
+    ``nnx.Variable`` found then. NNX updates parameters in place (``nnx.jit``/``nnx.Optimizer.update``,
+    ``nnx.update``, ``var[...] = x``: the checkpoint restore and ``load_named_params`` paths), so the Variables stay
+    the model's own and a read always sees the latest values (tested). Build a new reader if the model's structure
+    is changed (a module or Variable replaced by a new object).
+
+    Args:
+      model: an NNX module with HF-named parameters (:class:`fp8rl_jax.models.decoder.CausalLM`).
+
+    Attributes:
+      model: the model read. names: the HF names, in the walk's order.
+    """
+
+    def __init__(self, model):
+        from flax import nnx
+
+        from fp8rl_jax.models.decoder import param_name
+
+        self.model = model
+        self._vars = [(param_name(p), v) for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))]
+        self.names = [n for n, _ in self._vars]
+
+    def __call__(self) -> dict[str, jax.Array]:
+        """The live arrays (no copies), same as ``named_params(model)``."""
+        return {n: v[...] for n, v in self._vars}
 
 
 # --- which FP8 linears the standard loaders can read as 128x128 blockwise FP8 ------------------------------------

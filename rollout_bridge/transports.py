@@ -34,6 +34,7 @@ from typing import Any, Callable, Iterable, Protocol, Sequence
 
 ALIGN = 64
 DEFAULT_BUCKET_BYTES = 512 << 20
+STREAM_BUCKET_BYTES = 64 << 20  # streamed shm: small enough that fill and load overlap
 TRANSPORTS = ("inprocess", "shm", "dist")
 
 
@@ -178,7 +179,15 @@ class WeightReceiverMixin:
             self._fp8rl_shm = (names, _attach_untracked(names))
         segs = self._fp8rl_shm[1]
         buckets = [torch.frombuffer(s.buf, dtype=torch.uint8, count=size) for s, size in zip(segs, meta["sizes"])]
-        named = unpack_buckets(buckets, [TensorEntry(*e) for e in meta["entries"]])
+        entries = [TensorEntry(*e) for e in meta["entries"]]
+        if meta.get("control"):  # streamed: load bucket k while the sender still fills k+1
+            ctl = getattr(self, "_fp8rl_shm_ctl", None)
+            if ctl is None or ctl[0] != meta["control"]:
+                self._fp8rl_shm_ctl = (meta["control"], _attach_untracked([meta["control"]])[0])
+            named = ShmBucketStream(buckets, entries, self._fp8rl_shm_ctl[1].buf, int(meta["seq"]),
+                                    float(meta.get("timeout_s") or 600.0))
+        else:
+            named = unpack_buckets(buckets, entries)
         out = self._fp8rl_guarded(named, kv_scales, version)
         del named, buckets
         return out
@@ -186,8 +195,9 @@ class WeightReceiverMixin:
     def fp8rl_release_shm(self) -> None:
         """Unmap the shared-memory segments of the last sync (the sender owns and unlinks them)."""
         cached = getattr(self, "_fp8rl_shm", None)
-        self._fp8rl_shm = None
-        for s in (cached[1] if cached else []):
+        ctl = getattr(self, "_fp8rl_shm_ctl", None)
+        self._fp8rl_shm = self._fp8rl_shm_ctl = None
+        for s in (cached[1] if cached else []) + ([ctl[1]] if ctl and ctl[1] is not None else []):
             try:
                 s.close()
             except BufferError:  # a view is still referenced somewhere; dropped with it
@@ -281,6 +291,51 @@ class BucketStream:
             while self.received < len(self.sizes):
                 _broadcast(self.group, scratch[:self.sizes[self.received]])
                 self.received += 1
+
+
+class ShmBucketStream:
+    """Yield ``(name, tensor)`` views into shared-memory buckets as the sender marks each bucket complete.
+
+    The sender (:class:`SharedMemoryTransport` with ``stream=True``) starts the receiver's load first, then fills
+    the buckets in order and after each one stores ``k + 1`` in the control word ``ready``; this reader waits for
+    ``ready > k`` before handing out bucket ``k``'s tensors, so the receiver's copy of bucket ``k`` overlaps the
+    sender's fill of bucket ``k + 1``. The control block is two int64 words ``[seq, ready]`` in its own segment:
+    ``seq`` is the sender's sync counter (the reader refuses buckets of another sync: a reader can never see a
+    half-written or an older step), ``ready = -1`` means the sender gave up (the load fails at once).
+    Ordering: the bucket bytes are stored before the counter (program order; x86-64 keeps stores in order, and
+    glibc's ``memcpy`` fences its non-temporal stores), and read after it.
+
+    Args:
+      buckets: uint8 tensors over the segments, by bucket index. entries: every tensor's :class:`TensorEntry`.
+      control: the control segment's buffer (16 bytes). seq: the sync counter this load belongs to.
+      timeout_s: seconds to wait for one bucket before raising ``TimeoutError``.
+    """
+
+    def __init__(self, buckets, entries: Sequence[TensorEntry], control, seq: int, timeout_s: float = 600.0):
+        import numpy as np
+
+        self.buckets, self.seq, self.timeout_s = buckets, int(seq), float(timeout_s)
+        self.by_bucket = entries_by_bucket(entries, len(buckets))
+        self.ctl = np.ndarray((2,), np.int64, buffer=control)
+
+    def _wait(self, k: int) -> None:
+        deadline, spins = time.monotonic() + self.timeout_s, 0
+        while True:
+            seq, ready = int(self.ctl[0]), int(self.ctl[1])
+            if seq == self.seq and ready > k:
+                return
+            if seq == self.seq and ready < 0:
+                raise WeightSyncError(f"sender aborted shared-memory sync {self.seq} before bucket {k}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"bucket {k} of shared-memory sync {self.seq} not ready after {self.timeout_s}s "
+                                   f"(control: seq {seq}, ready {ready})")
+            spins += 1
+            time.sleep(0 if spins < 100 else 50e-6)
+
+    def __iter__(self):
+        for k, members in enumerate(self.by_bucket):
+            self._wait(k)
+            yield from unpack_buckets(self.buckets, members)
 
 
 def _attach_untracked(names: Sequence[str]) -> list:
@@ -419,16 +474,27 @@ class SharedMemoryTransport(Transport):
     """Flattened buckets in POSIX shared memory (CPU tensors) or CUDA IPC buffers (CUDA tensors).
 
     Args:
-      bucket_bytes: bucket capacity. The CPU segments are created once and reused while the layout is unchanged
-        (a steady-state sync is one memcpy per tensor plus the receiver's load).
+      bucket_bytes: bucket capacity (default: 512 MiB, or 64 MiB when streaming on CPU). The CPU segments are
+        created once and reused while the layout is unchanged (a steady-state sync is one memcpy per tensor plus
+        the receiver's load).
+      stream: CPU only. ``True`` (default): the receiver's load starts first and reads bucket ``k`` as soon as the
+        sender has filled it (:class:`ShmBucketStream`; a control word in shared memory, no extra RPC), so the
+        sender's fill and the receiver's copy overlap; ``False``: fill everything, then load.
+
+    Attributes:
+      last_buckets: buckets used by the last :meth:`send`.
     """
 
     name = "shm"
 
-    def __init__(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
-        self.bucket_bytes = int(bucket_bytes)
+    def __init__(self, bucket_bytes: int | None = None, stream: bool = True):
+        self.stream = bool(stream)
+        self.bucket_bytes = int(bucket_bytes or (STREAM_BUCKET_BYTES if self.stream else DEFAULT_BUCKET_BYTES))
         self._segs: list = []
         self._sizes: list[int] = []
+        self._ctl = None
+        self._seq = 0
+        self.last_buckets = 0
 
     def _segments(self, sizes: list[int]):
         import torch
@@ -439,17 +505,20 @@ class SharedMemoryTransport(Transport):
             tag = uuid.uuid4().hex[:12]
             self._segs = [shared_memory.SharedMemory(create=True, size=s, name=f"fp8rl_{tag}_{i}")
                           for i, s in enumerate(sizes)]
+            self._ctl = shared_memory.SharedMemory(create=True, size=16, name=f"fp8rl_{tag}_ctl")
             self._sizes = list(sizes)
         return [torch.frombuffer(s.buf, dtype=torch.uint8, count=n) for s, n in zip(self._segs, sizes)]
 
     def send(self, tensors, kv_scales, version, receivers, timeout_s=None) -> SyncStats:
         """See :class:`Transport`."""
+        import numpy as np
         import torch
 
         t0 = time.perf_counter()
         entries, sizes = plan_buckets(tensors, self.bucket_bytes)
         flat = [dataclasses.astuple(e) for e in entries]
         on_cuda = any(t.is_cuda for t in tensors.values())
+        self.last_buckets = len(sizes)
         if on_cuda:
             from torch.multiprocessing.reductions import reduce_tensor
 
@@ -461,6 +530,26 @@ class SharedMemoryTransport(Transport):
             pend = [r.call("fp8rl_load_cuda_ipc", meta, kv_scales, version) for r in receivers]
             _wait_all(receivers, pend, "load (CUDA IPC)", timeout_s, version)
             del buckets
+        elif self.stream:
+            buckets = self._segments(sizes)
+            ctl = np.ndarray((2,), np.int64, buffer=self._ctl.buf)
+            self._seq += 1
+            ctl[1] = 0  # nothing ready; then name the sync the buckets now belong to
+            ctl[0] = self._seq
+            meta = {"entries": flat, "segments": [s.name for s in self._segs], "sizes": sizes,
+                    "control": self._ctl.name, "seq": self._seq, "timeout_s": timeout_s}
+            pend = [r.call("fp8rl_load_shm", meta, kv_scales, version) for r in receivers]
+            try:
+                by_bucket = entries_by_bucket(entries, len(sizes))
+                for k in range(len(sizes)):
+                    fill_buckets(buckets, tensors, by_bucket[k])
+                    ctl[1] = k + 1
+            except BaseException:
+                ctl[1] = -1  # the readers fail now instead of at their timeout
+                raise
+            finally:
+                del buckets, ctl
+            _wait_all(receivers, pend, "load (shared memory, streamed)", timeout_s, version)
         else:
             buckets = self._segments(sizes)
             fill_buckets(buckets, tensors, entries)
@@ -472,7 +561,7 @@ class SharedMemoryTransport(Transport):
 
     def close(self) -> None:
         """Unlink the shared-memory segments."""
-        for s in self._segs:
+        for s in self._segs + ([self._ctl] if self._ctl is not None else []):
             try:
                 s.close()
             except BufferError:
@@ -481,7 +570,7 @@ class SharedMemoryTransport(Transport):
                 s.unlink()
             except FileNotFoundError:
                 pass
-        self._segs, self._sizes = [], []
+        self._segs, self._sizes, self._ctl = [], [], None
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -616,4 +705,4 @@ def order_by_layer(names: Iterable[str]) -> list[str]:
 
 __all__ = ["WeightSyncError", "TensorEntry", "plan_buckets", "fill_buckets", "unpack_buckets", "WeightReceiverMixin",
            "Receiver", "ThreadReceiver", "Transport", "InProcessTransport", "SharedMemoryTransport",
-           "TorchDistributedTransport", "SyncStats", "make_transport", "free_port", "order_by_layer", "TRANSPORTS"]
+           "ShmBucketStream", "TorchDistributedTransport", "SyncStats", "make_transport", "free_port", "order_by_layer", "TRANSPORTS"]

@@ -192,13 +192,18 @@ def _as_items(weights):
 
 def quantize_weights_batched(
     weights, block_size: tuple[int, int] | int = BLOCK_SIZE, ue8m0: bool = False, *,
-    recipe: QuantRecipe | None = None, backend: str = "auto", check: bool = True,
+    recipe: QuantRecipe | None = None, backend: str = "auto", check: bool = True, stack: bool = True,
 ):
-    """Quantize many weights blockwise with one kernel call per distinct ``(shape, dtype)``.
+    """Quantize many weights blockwise with one kernel call per distinct ``(shape, dtype)`` (or per weight).
 
-    Same-shaped 2-D weights (e.g. every layer's ``q_proj``) are stacked into ``[L, N, K]`` and quantized
-    together; an array that already is a stack (``[L, N, K]``, as a scan-over-layers model holds it) is
-    quantized as its own call without a copy. Results are bit-identical to calling
+    With ``stack=True`` (default) same-shaped 2-D weights (e.g. every layer's ``q_proj``) are stacked into
+    ``[L, N, K]`` and quantized together: few kernel launches, at the price of one extra read + write of every
+    stacked weight (the stack) and one more of its outputs (the per-weight slices). With ``stack=False`` every
+    weight is quantized by its own call and nothing is copied: inside one ``jax.jit`` (the exporter's
+    program) the calls cost no Python dispatch each, so this is the fast form there (measured on CPU by
+    ``benchmarks/bench_weight_sync.py --export-variants``; on a GPU it trades the copies for one kernel launch
+    per weight). An array that already is a stack (``[L, N, K]``, as a scan-over-layers model holds it) is always
+    quantized as its own call without a copy. Results are bit-identical either way, and to calling
     :func:`~fp8rl_jax.fp8.quant.quantize_weight_blockwise` per tensor.
 
     Args:
@@ -207,6 +212,7 @@ def quantize_weights_batched(
       backend: ``"auto"`` (Pallas on a CUDA GPU, jnp otherwise), ``"jnp"``, ``"pallas"`` (interpret mode off
         GPU) .
       check: raise ``ValueError`` naming the first tensor with NaN/inf (eager calls only).
+      stack: stack same-shaped 2-D weights into one call (see above); ``False``: one call per weight, no copies.
 
     Returns:
       The same container type: ``{name: (q, scale_inv)}`` or ``[(q, scale_inv), ...]``.
@@ -225,22 +231,23 @@ def quantize_weights_batched(
     for key, w in items:
         w = jnp.asarray(w)
         _require(f"quantize_weights_batched[{key!r}]", w, 2)
-        # 2-D matrices of one shape are stacked (one copy, one call); an array that already is a stack is
-        # quantized in place as its own call (stacking it again would cost a full extra read + write).
-        gkey = (tuple(w.shape), jnp.dtype(w.dtype)) if w.ndim == 2 else ("stack", len(groups), key)
+        # 2-D matrices of one shape are stacked (one copy, one call) unless ``stack=False``; an array that already
+        # is a stack is quantized in place as its own call (stacking it again would cost a full extra read + write).
+        gkey = ((tuple(w.shape), jnp.dtype(w.dtype)) if w.ndim == 2 and stack
+                else ("alone", len(groups), key))
         groups.setdefault(gkey, []).append((key, w))
     out = {}
     for members in groups.values():
         shape = tuple(members[0][1].shape)
         if len(members) == 1:
-            stack = members[0][1].reshape(-1, *shape[-2:])
+            batch = members[0][1].reshape(-1, *shape[-2:])
         else:
-            stack = jnp.stack([w for _, w in members])
+            batch = jnp.stack([w for _, w in members])
         if use_pallas:
-            q, s = _pallas_quantize_3d(stack, bn=bn, bk=bk, per_row=False, ue8m0=bool(ue8m0), fp8_dtype=jnp.dtype(E4M3),
+            q, s = _pallas_quantize_3d(batch, bn=bn, bk=bk, per_row=False, ue8m0=bool(ue8m0), fp8_dtype=jnp.dtype(E4M3),
                                        fp8_max=E4M3_MAX, recipe=recipe, interpret=not gpu_lowering_available())
         else:
-            q, s = _quantize_blocks(stack, bn=bn, bk=bk, ue8m0=bool(ue8m0), fp8_dtype=jnp.dtype(E4M3),
+            q, s = _quantize_blocks(batch, bn=bn, bk=bk, ue8m0=bool(ue8m0), fp8_dtype=jnp.dtype(E4M3),
                                     fp8_max=E4M3_MAX, recipe=recipe)
         if len(members) == 1:
             results = [(q.reshape(shape), s.reshape(*shape[:-2], *s.shape[-2:]))]

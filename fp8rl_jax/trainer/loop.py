@@ -27,7 +27,7 @@ from flax import nnx
 
 from fp8rl_jax import objectives
 from fp8rl_jax.data import get_reward_fn, make_train_dataset
-from fp8rl_jax.export import export_weights
+from fp8rl_jax.export import ModelParamsReader, export_weights
 from fp8rl_jax.fp8.kv_cache import (KV_SCALE_CALIBRATIONS, KVScales, calibrate_kv_scales, masked_row_absmax,
                                     normalize_kv_cache_dtype)
 from fp8rl_jax.models.decoder import named_params, positions_from_mask, qkv_absmax_from_intermediates, set_qkv_capture
@@ -296,7 +296,11 @@ class RLTrainer:
             if self._kv_row_amax:
                 self._calibrate_kv_scales()
             kv = self.kv_scales
-        return export_weights(named_params(self.model), self.export_format, version=self.step_count, kv_scales=kv,
+        # the NNX graph walk runs once per model (ModelParamsReader), not on every step
+        reader = getattr(self, "_export_reader", None)
+        if reader is None or reader.model is not self.model:
+            reader = self._export_reader = ModelParamsReader(self.model)
+        return export_weights(reader(), self.export_format, version=self.step_count, kv_scales=kv,
                               kv_scales_version=self.kv_scales_version if kv is not None else None)
 
     # -- FP8 KV cache: per-step q/k/v scale recalibration (docs/KV_CACHE.md) ---------------------------------
