@@ -13,10 +13,15 @@ forward with "Illegal instruction" and takes the process with it.
 ``ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16`` (oneDNN's documented switch: JIT code for AVX-512 BF16, no AMX tiles); when
 that works the variable is set in ``os.environ`` here, before vLLM or torch run a GEMM in this process, and is
 inherited by vLLM's worker processes. When neither works it raises, so no engine is left half started.
+
+oneDNN reads the variable once, at its first JIT compilation in a process: call this before anything in the process
+runs a torch GEMM (the vLLM engine calls it before importing vLLM; the test suite's conftest at start-up, since
+other tests use torch in the same process).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import signal
 import subprocess
@@ -48,21 +53,28 @@ def _probe(env: dict) -> int:
                           stderr=subprocess.DEVNULL, timeout=300).returncode
 
 
-def ensure_cpu_bf16_gemm() -> str | None:
+def ensure_cpu_bf16_gemm(torch_preloaded: bool = False) -> str | None:
     """Check (once per process tree) that torch's bf16 CPU GEMM runs here; cap oneDNN's ISA if only that works.
 
     Does nothing on CPUs without AMX, when ``ONEDNN_MAX_CPU_ISA`` is already set (the user's choice), or when an
     earlier call in this process or a parent already checked.
+
+    Args:
+      torch_preloaded: torch was imported in this process before the caller could check (e.g. a notebook that used
+        torch first). oneDNN may then have fixed its ISA already, so the cap cannot be trusted in this process: when
+        it is needed, raise instead of letting vLLM crash here (its worker processes would be fine).
 
     Returns:
       the ``ONEDNN_MAX_CPU_ISA`` value now in force (None: oneDNN's default).
 
     Raises:
       RuntimeError: bf16 GEMM dies (SIGILL or another failure) with oneDNN's default and with the AVX-512 BF16
-        cap; the message names both exit codes.
+        cap (the message names both exit codes); or the cap is needed but ``torch_preloaded``.
     """
     if os.environ.get(_CHECKED_VAR) or ISA_VAR in os.environ or not cpu_has_amx():
         return os.environ.get(ISA_VAR)
+    if importlib.util.find_spec("torch") is None:  # nothing to check without torch
+        return None
     rc = _probe(dict(os.environ))
     if rc != 0:
         rc_capped = _probe(dict(os.environ, **{ISA_VAR: FALLBACK_ISA}))
@@ -71,6 +83,12 @@ def ensure_cpu_bf16_gemm() -> str | None:
                 f"torch's bf16 CPU GEMM fails on this CPU (exit code {rc}"
                 f"{' = SIGILL' if rc == -signal.SIGILL else ''}; with {ISA_VAR}={FALLBACK_ISA}: {rc_capped}); vLLM "
                 "cannot run here. Use the embedded engine (train.rollout_engine='jax').")
+        if torch_preloaded:
+            raise RuntimeError(
+                f"torch/oneDNN AMX GEMM crashes on this CPU (exit code {rc}) and needs {ISA_VAR}={FALLBACK_ISA}, but "
+                "torch was already loaded in this process, where oneDNN reads that variable only once: set "
+                f"{ISA_VAR}={FALLBACK_ISA} in the environment before starting Python, or run vLLM in its own "
+                "process (train.vllm_transport='shm' or 'dist')")
         os.environ[ISA_VAR] = FALLBACK_ISA
         warnings.warn(f"torch/oneDNN AMX GEMM crashes on this CPU (exit code {rc}); set {ISA_VAR}={FALLBACK_ISA} "
                       "for vLLM (AVX-512 BF16 kernels)", RuntimeWarning, stacklevel=2)

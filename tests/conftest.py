@@ -13,6 +13,13 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import numpy as np
 import pytest
 
+# Intel AMX CPUs where torch's oneDNN AMX GEMM dies with SIGILL (rollout_bridge/cpu_gemm.py): oneDNN fixes its ISA at
+# its first JIT compilation in a process, and several tests use torch in this one before the vLLM tests start
+# their engine, so the check runs here, first.
+from rollout_bridge.cpu_gemm import ensure_cpu_bf16_gemm  # noqa: E402
+
+ensure_cpu_bf16_gemm()
+
 
 @pytest.fixture(autouse=True)
 def _default_device(request):

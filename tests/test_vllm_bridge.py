@@ -9,6 +9,7 @@ trainer's ``rollout_engine="vllm"`` switch).
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import numpy as np
 import pytest
@@ -389,3 +390,75 @@ def test_kv_scales_read_back_from_vllm_catch_a_reset(trainer):
     eng.transport.send(tensors, {i: {"k_scale": 1.0, "v_scale": 1.0} for i in range(n)}, w.version, [eng.receiver])
     with pytest.raises(StaleWeightsError, match="KV-cache scales"):
         check_kv_scales(eng.served_kv_scales(), sent, w.version)
+
+
+def test_cpu_gemm_check_caps_onednn_or_refuses(monkeypatch):
+    """rollout_bridge.cpu_gemm: SIGILL with oneDNN's default ISA -> cap it; SIGILL with the cap too -> refuse;
+    cap needed after torch was already loaded in this process -> refuse (never a dead worker)."""
+    import signal
+
+    from rollout_bridge import cpu_gemm
+
+    for var in (cpu_gemm.ISA_VAR, cpu_gemm._CHECKED_VAR):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(cpu_gemm, "cpu_has_amx", lambda cpuinfo="": True)
+    calls = []
+
+    def probe(results):
+        def run(env):
+            calls.append(env.get(cpu_gemm.ISA_VAR))
+            return results[len(calls) - 1]
+        return run
+
+    monkeypatch.setattr(cpu_gemm, "_probe", probe([-signal.SIGILL, 0]))
+    with pytest.warns(RuntimeWarning, match="crashes on this CPU"):
+        assert cpu_gemm.ensure_cpu_bf16_gemm() == cpu_gemm.FALLBACK_ISA
+    assert calls == [None, cpu_gemm.FALLBACK_ISA]
+    for var in (cpu_gemm.ISA_VAR, cpu_gemm._CHECKED_VAR):
+        monkeypatch.delenv(var, raising=False)
+    calls.clear()
+    monkeypatch.setattr(cpu_gemm, "_probe", probe([-signal.SIGILL, -signal.SIGILL]))
+    with pytest.raises(RuntimeError, match="SIGILL.*embedded engine"):
+        cpu_gemm.ensure_cpu_bf16_gemm()
+    calls.clear()
+    monkeypatch.setattr(cpu_gemm, "_probe", probe([-signal.SIGILL, 0]))
+    with pytest.raises(RuntimeError, match="torch was already loaded"):
+        cpu_gemm.ensure_cpu_bf16_gemm(torch_preloaded=True)
+    assert cpu_gemm.ISA_VAR not in os.environ
+    calls.clear()
+    monkeypatch.setattr(cpu_gemm, "_probe", probe([0]))  # a CPU whose AMX GEMM works: nothing is changed
+    assert cpu_gemm.ensure_cpu_bf16_gemm() is None and calls == [None]
+
+
+_AFTER_TORCH = """
+import torch
+torch.nn.functional.linear(torch.randn(64, 256), torch.randn(512, 256))  # oneDNN initialised before the engine
+from fp8rl_jax.models.config import ModelConfig
+from fp8rl_jax.models.decoder import named_params
+from fp8rl_jax.models.loading import build_model
+from fp8rl_jax.export import export_weights
+from rollout_bridge.vllm_engine import VllmRolloutEngine
+cfg = ModelConfig(model_type="llama", vocab_size=256, hidden_size=128, intermediate_size=384, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=4, head_dim=32, eos_token_id=3, pad_token_id=0)
+w = export_weights(named_params(build_model(cfg)), "bf16")
+try:
+    eng = VllmRolloutEngine(cfg, w, weight_target="bf16", kv_cache_memory_bytes=16 << 20)
+except RuntimeError as e:
+    print("REFUSED", e)
+else:
+    print("SCORED", float(eng.score([[1, 2, 3, 4, 5, 6, 7, 8]], [[9, 10, 11, 12, 13]])[0].sum()))
+"""
+
+
+def test_in_process_vllm_after_torch_either_works_or_refuses_clearly(tmp_path):
+    """A notebook that ran torch first: on a CPU whose AMX GEMM crashes the engine refuses in one clear error;
+    elsewhere it serves. Never SIGILL (exit -4)."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("ONEDNN_MAX_CPU_ISA", "FP8RL_CPU_BF16_GEMM_CHECKED")}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, "-c", _AFTER_TORCH], cwd=root, capture_output=True, text=True, timeout=600,
+                       env=dict(env, PYTHONPATH=root, HF_HUB_OFFLINE="1"))
+    assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
+    assert ("REFUSED" in r.stdout and "ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16" in r.stdout) or "SCORED" in r.stdout
