@@ -18,6 +18,15 @@ Precision (``weight_target``):
 KV cache: ``kv_cache_dtype="fp8"`` (e4m3) uses the per-layer ``k_scale``/``v_scale`` carried in the export
 (``model.layers.{i}.self_attn.k_scale``), written into vLLM's attention layers after each reload.
 
+Routing record (R3, arXiv 2510.11370): vLLM 0.32 exposes the routed experts through the offline API:
+``LLM(enable_return_routed_experts=True)`` makes each ``CompletionOutput.routed_experts`` an integer array
+``[prompt_len + num_output_tokens - 1, num_layers, top_k]`` (uint8/uint16; the last sampled token is never run;
+``SamplingParams.routed_experts_prompt_start`` skips a prompt prefix). vLLM accepts it only with Model Runner V2
+(``VLLM_USE_V2_MODEL_RUNNER=1``), prefix caching on, an MoE model, no pipeline/context parallelism. With
+``return_routed_experts=True`` this engine asks for it and fills ``RolloutBatch.routed_experts`` /
+``prompt_routed_experts``; otherwise both are None and ``train.routing_replay=True`` stops the trainer with a
+RuntimeError for an MoE model.
+
 Safety: a sync that fails leaves the engine unusable (``generate`` raises :class:`WeightSyncError`) until a
 later sync succeeds; the workers report the version they loaded and a mismatch fails the sync; names, shapes
 and dtypes are checked against the first sync before anything is sent; ``reset_prefix_cache()`` after every
@@ -28,6 +37,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import tempfile
 import time
 from typing import Any, Sequence
@@ -116,11 +126,15 @@ class VllmRolloutEngine:
         for the in-process transport (required there), else vLLM's default.
       sync_timeout_s: seconds a sync may take before :class:`WeightSyncError`.
       workdir: where ``config.json`` is written (default: a temporary directory removed by :meth:`close`).
+      return_routed_experts: record each token's top-k experts per MoE layer (vLLM
+        ``enable_return_routed_experts``; sets ``VLLM_USE_V2_MODEL_RUNNER=1`` unless already set, and turns on
+        prefix caching) and return them as ``RolloutBatch.routed_experts`` / ``prompt_routed_experts`` (R3).
       llm_kwargs: extra ``vllm.LLM`` keyword arguments.
 
     Raises:
       ImportError: vLLM is not installed (``pip install fp8rl-jax[vllm]``).
-      ValueError: bad ``weight_target``/``transport``/``kv_cache_dtype``; ``weight_target="fp8"`` without CUDA.
+      ValueError: bad ``weight_target``/``transport``/``kv_cache_dtype``; ``weight_target="fp8"`` without CUDA;
+        ``return_routed_experts`` for a model without MoE layers.
     """
 
     def __init__(self, config: ModelConfig, weights: ExportedWeights | None = None, *, weight_target: str = "auto",
@@ -128,8 +142,14 @@ class VllmRolloutEngine:
                  pad_token_id: int | None = None, eos_token_ids: Sequence[int] | None = None, seed: int = 0,
                  max_model_len: int | None = None, kv_cache_memory_bytes: int | None = None,
                  gpu_memory_utilization: float = 0.5, max_num_seqs: int = 64, in_process: bool | None = None,
-                 sync_timeout_s: float = 600.0, workdir: str | None = None, **llm_kwargs: Any):
+                 sync_timeout_s: float = 600.0, workdir: str | None = None, return_routed_experts: bool = False,
+                 **llm_kwargs: Any):
         normalize_kv_cache_dtype(kv_cache_dtype)  # fail before starting vLLM; generate() checks scales by it
+        if return_routed_experts and not any(config.is_sparse_layer(i) for i in range(config.num_hidden_layers)):
+            raise ValueError("return_routed_experts=True needs an MoE model (vLLM records routing only for MoE "
+                             f"layers); {config.model_type!r} has none")
+        self.return_routed_experts = bool(return_routed_experts)
+        torch_preloaded = "torch" in sys.modules  # before _cuda_available() imports it (see cpu_gemm)
         cuda = _cuda_available()
         weight_target = resolve_weight_target(weight_target, config, cuda)
         if weight_target not in ("fp8", "bf16", "float32"):
@@ -151,7 +171,7 @@ class VllmRolloutEngine:
         if not cuda:  # before vLLM runs a GEMM here or in its workers: SIGILL-free bf16 GEMM (see cpu_gemm)
             from rollout_bridge.cpu_gemm import ensure_cpu_bf16_gemm
 
-            ensure_cpu_bf16_gemm()
+            ensure_cpu_bf16_gemm(torch_preloaded=torch_preloaded and in_process)
         try:
             import vllm
         except ImportError as e:  # pragma: no cover - exercised only without the extra
@@ -182,6 +202,9 @@ class VllmRolloutEngine:
             # every request here is seeded: give one step room for every running request's whole length, so no
             # prompt is ever split.
             kw["max_num_batched_tokens"] = max(int(max_num_seqs) * self.max_model_len, 2048)
+        if self.return_routed_experts:  # vLLM 0.32: AuxOutput needs Model Runner V2 and prefix caching
+            os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")
+            kw.update(enable_return_routed_experts=True, enable_prefix_caching=True)
         kw.update(llm_kwargs)
         self.llm = vllm.LLM(**kw)
         self.receiver = ThreadReceiver(self._rpc, name="vllm")
@@ -317,9 +340,16 @@ class VllmRolloutEngine:
         lps = np.zeros((n_rows, t), np.float32)
         mask = np.zeros((n_rows, t), np.float32)
         reasons: list[str] = []
+        routed = prompt_routed = None
+        if self.return_routed_experts:
+            cfg = self.config
+            routed = np.full((n_rows, t, cfg.num_hidden_layers, cfg.num_experts_per_tok), -1, np.int32)
+            prompt_routed = []
         row = 0
-        for out in outs:
+        for out, prompt in zip(outs, prompts):
             for c in sorted(out.outputs, key=lambda c: c.index):
+                if routed is not None:
+                    self._split_routing(c, len(prompt), min(len(c.token_ids), t), routed[row], prompt_routed)
                 ids = list(c.token_ids)[:t]
                 toks[row, :len(ids)] = ids
                 mask[row, :len(ids)] = 1.0
@@ -331,7 +361,22 @@ class VllmRolloutEngine:
         return RolloutBatch(prompt_token_ids=[p for p in prompts for _ in range(sp.n)], response_token_ids=toks,
                             rollout_logprobs=lps, response_mask=mask, finish_reason=reasons,
                             prompt_index=np.repeat(np.arange(len(prompts), dtype=np.int32), sp.n),
-                            weights_version=self.weights_version)
+                            weights_version=self.weights_version, routed_experts=routed,
+                            prompt_routed_experts=prompt_routed)
+
+    def _split_routing(self, completion, prompt_len: int, n_out: int, resp_row: np.ndarray, prompt_rows: list) -> None:
+        """vLLM's ``routed_experts`` ``[prompt_len + n_out - 1, L, k]`` -> the prompt record (appended to
+        ``prompt_rows``) and the response record written into ``resp_row [T, L, k]`` (-1 where vLLM has none: the
+        last sampled token). RuntimeError when vLLM returned nothing or another layout."""
+        re = completion.routed_experts
+        want = (self.config.num_hidden_layers, self.config.num_experts_per_tok)
+        if re is None or np.ndim(re) != 3 or tuple(np.shape(re)[1:]) != want or len(re) < prompt_len:
+            raise RuntimeError(f"vLLM returned routed_experts of shape {None if re is None else np.shape(re)}; "
+                               f"expected [>= {prompt_len}, {want[0]}, {want[1]}] (enable_return_routed_experts)")
+        re = np.asarray(re).astype(np.int32)
+        prompt_rows.append(re[:prompt_len])
+        resp = re[prompt_len:prompt_len + n_out]
+        resp_row[:len(resp)] = resp
 
     def score(self, prompt_token_ids: Sequence[Sequence[int]], continuation_ids: Sequence[Sequence[int]]) -> list[np.ndarray]:
         """vLLM's logprobs (temperature 1, raw logits) of fixed continuations: float32 ``[len(cont_i)]`` per row.
@@ -387,6 +432,9 @@ def make_engine(config, model_config: ModelConfig, weights: ExportedWeights, *, 
         transport=config.vllm_transport, kv_cache_dtype=config.kv_cache_dtype,
         kv_cache_memory_bytes=kv_bytes, max_model_len=max_model_len,
         pad_token_id=pad_token_id, eos_token_ids=eos_token_ids, seed=config.seed, max_num_seqs=max_num_seqs)
+    if getattr(config, "routing_replay", False) and any(model_config.is_sparse_layer(i)
+                                                       for i in range(model_config.num_hidden_layers)):
+        kw["return_routed_experts"] = True  # R3: the trainer replays vLLM's routing record
     kw.update(overrides)
     return VllmRolloutEngine(model_config, weights, **kw)
 

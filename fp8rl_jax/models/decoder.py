@@ -277,10 +277,19 @@ class DecoderLayer(nnx.Module):
         else:
             self.mlp = MLP(cfg, **kw)
 
-    def __call__(self, x, positions, inv_freq, kv_mask, q_slots, cache_kv=None, cache_index=None):
+    def __call__(self, x, positions, inv_freq, kv_mask, q_slots, cache_kv=None, cache_index=None, replay_ids=None):
+        """One block: ``(x [B, S, hidden], new_kv or None, router_ids [B, S, k] int32 or None)``.
+
+        ``replay_ids`` (int ``[B, S, k]``, ``-1`` = route normally) replays recorded experts in a sparse layer
+        (R3, :meth:`fp8rl_jax.models.moe.SparseMoeBlock.forward`) and is ignored by a dense MLP; ``router_ids`` is
+        the sparse layer's own top-k (None for a dense MLP).
+        """
         a, new_kv = self.self_attn(self.input_layernorm(x), positions, inv_freq, kv_mask, q_slots, cache_kv, cache_index)
         x = x + a
-        return x + self.mlp(self.post_attention_layernorm(x)), new_kv
+        if isinstance(self.mlp, MLP):
+            return x + self.mlp(self.post_attention_layernorm(x)), new_kv, None
+        y, router_ids = self.mlp.forward(self.post_attention_layernorm(x), replay_ids)
+        return x + y, new_kv, router_ids
 
 
 class Embedding(nnx.Module):
@@ -325,8 +334,14 @@ class CausalLM(nnx.Module):
         else:
             self.lm_head = None
 
+    @property
+    def is_moe(self) -> bool:
+        """Whether any layer has routed experts (a Qwen3-MoE sparse layer)."""
+        return any(self.config.is_sparse_layer(i) for i in range(self.config.num_hidden_layers))
+
     def hidden_states(self, input_ids: jax.Array, positions: jax.Array, kv_mask: jax.Array,
-                      cache: KVCache | None = None, cache_index: jax.Array | int = 0):
+                      cache: KVCache | None = None, cache_index: jax.Array | int = 0, *,
+                      routed_experts: jax.Array | None = None, return_routing: bool = False):
         """Final-norm hidden states.
 
         Args:
@@ -336,23 +351,44 @@ class CausalLM(nnx.Module):
           cache: optional :class:`KVCache`; the new keys/values are written at slots
             ``[cache_index, cache_index + S)``.
           cache_index: int32 scalar, first slot written.
+          routed_experts: optional int ``[B, S, num_layers, k]`` recorded expert ids to replay (rollout routing
+            replay, R3, arXiv 2510.11370 Sec. 3; ``k = num_experts_per_tok``); ``-1`` entries (dense layers,
+            positions without a record) are routed normally. Ignored by a model without sparse layers.
+          return_routing: also return each sparse layer's own top-k expert ids.
 
         Returns:
-          ``(h [B, S, hidden] in dtype, new_cache or None)``.
+          ``(h [B, S, hidden] in dtype, new_cache or None)``, and with ``return_routing`` a third element: int32
+          ``[B, S, num_layers, k]`` router top-k ids (``-1`` for dense layers), or None for a dense model.
+
+        Raises:
+          ValueError: ``routed_experts`` of the wrong shape.
         """
         b, s = input_ids.shape
-        inv_freq = rope_inv_freq(self.config)
+        cfg = self.config
+        moe = self.is_moe
+        if routed_experts is not None and moe:
+            want = (b, s, cfg.num_hidden_layers, cfg.num_experts_per_tok)
+            if tuple(routed_experts.shape) != want:
+                raise ValueError(f"routed_experts must have shape {want} ([B, S, num_layers, num_experts_per_tok]),"
+                                 f" got {tuple(routed_experts.shape)}")
+        inv_freq = rope_inv_freq(cfg)
         q_slots = jnp.broadcast_to(jnp.asarray(cache_index, jnp.int32) + jnp.arange(s, dtype=jnp.int32), (b, s))
         x = self.model.embed_tokens(input_ids).astype(self.dtype)
-        new_k, new_v = [], []
+        new_k, new_v, routing = [], [], []
         for i, layer in enumerate(self.model.layers):
             ckv = cache.layer(i) if cache is not None else None
-            x, kv = layer(x, positions, inv_freq, kv_mask, q_slots, ckv, cache_index)
+            rep = routed_experts[:, :, i] if (routed_experts is not None and moe) else None
+            x, kv, ids = layer(x, positions, inv_freq, kv_mask, q_slots, ckv, cache_index, rep)
             if kv is not None:
                 new_k.append(kv[0])
                 new_v.append(kv[1])
+            if return_routing and moe:
+                routing.append(ids if ids is not None else jnp.full((b, s, cfg.num_experts_per_tok), -1, jnp.int32))
         h = self.model.norm(x)
-        return h, (cache._replace(k=tuple(new_k), v=tuple(new_v)) if cache is not None else None)
+        new_cache = cache._replace(k=tuple(new_k), v=tuple(new_v)) if cache is not None else None
+        if return_routing:
+            return h, new_cache, (jnp.stack(routing, axis=2) if moe else None)
+        return h, new_cache
 
     def logits(self, h: jax.Array) -> jax.Array:
         """``lm_head`` (or tied embeddings) applied to hidden states: ``[..., hidden] -> [..., vocab]`` float32."""

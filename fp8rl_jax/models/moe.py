@@ -31,6 +31,15 @@ dequantized e4m3 blocks, products accumulate in float32. The router always stays
 (bf16 in rollout), as verl's FP8 rollout keeps ``mlp.gate`` in its ignored layers. When a training-precision
 ``dot_general`` is set on the expert ``Linear`` layers (FP8 training, :mod:`fp8rl_jax.trainer.precision`), each
 expert's own ``Linear`` runs on all tokens weighted by its routing weight instead (E/k times the FLOPs).
+
+Rollout routing replay (R3, arXiv 2510.11370, Sec. 3). :meth:`SparseMoeBlock.forward` returns the router's own
+top-k expert ids (what the rollout engine records) and takes optional recorded ids ``replay_ids`` (``-1`` = no
+record, route normally). A token with a record runs exactly the recorded experts; its gate weights are recomputed
+from *this* forward's router (:func:`replay_gate_weights`: float32 softmax over all experts gathered at the
+recorded ids, renormalised iff ``norm_topk_prob``), so the router still gets gradients. With ``norm_topk_prob``
+this equals R3's replayed gate ``softmax(router_logits masked to the recorded set)``; without it the gate keeps
+the model's own (un-renormalised) top-k semantics, so a replay of the ids the same weights chose reproduces that
+forward bit for bit.
 """
 
 from __future__ import annotations
@@ -68,6 +77,59 @@ def route_top_k(router_logits: jax.Array, top_k: int, norm_topk_prob: bool) -> t
     if norm_topk_prob:
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
     return weights, ids.astype(jnp.int32)
+
+
+def replay_gate_weights(router_logits: jax.Array, expert_ids: jax.Array, norm_topk_prob: bool) -> jax.Array:
+    """Gate weights of given (recorded) experts under the current router: the R3 replayed gate.
+
+    ``probs = softmax(router_logits)`` in float32 over all experts, gathered at ``expert_ids``; divided by their
+    sum iff ``norm_topk_prob`` (then equal to R3's ``softmax`` of the router logits masked to the recorded set,
+    arXiv 2510.11370 Sec. 3). Differentiable w.r.t. ``router_logits`` (the router keeps learning under replay).
+    For ``expert_ids`` equal to :func:`route_top_k`'s ids the result equals its weights bit for bit.
+
+    Args:
+      router_logits: ``[T, E]`` (any float dtype).
+      expert_ids: int ``[T, k]`` in ``[0, E)`` (negative ids are clipped to 0: mask them out before use).
+      norm_topk_prob: renormalise the k weights to sum to 1.
+
+    Returns:
+      float32 ``[T, k]``.
+    """
+    probs = jax.nn.softmax(router_logits.astype(jnp.float32), axis=-1)
+    w = jnp.take_along_axis(probs, jnp.maximum(expert_ids, 0).astype(jnp.int32), axis=-1)
+    if norm_topk_prob:
+        w = w / jnp.sum(w, axis=-1, keepdims=True)
+    return w
+
+
+def route_with_replay(router_logits: jax.Array, top_k: int, norm_topk_prob: bool,
+                      replay_ids: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Routing of one MoE layer with optional rollout routing replay (R3, arXiv 2510.11370 Sec. 3).
+
+    Args:
+      router_logits: ``[T, E]``.
+      top_k, norm_topk_prob: as :func:`route_top_k`.
+      replay_ids: optional int ``[T, k]`` recorded expert ids; a row with any id ``< 0`` has no record and is
+        routed normally. ``None``: no replay (the result is :func:`route_top_k`'s, bit for bit).
+
+    Returns:
+      ``(weights [T, k] float32, used_ids [T, k] int32, router_ids [T, k] int32)``: the experts the layer runs
+      and their gate weights, and the router's own top-k (equal to ``used_ids`` without replay).
+
+    Raises:
+      ValueError: ``replay_ids`` is not ``[T, k]``; ``top_k`` out of range.
+    """
+    weights, ids = route_top_k(router_logits, top_k, norm_topk_prob)
+    if replay_ids is None:
+        return weights, ids, ids
+    if tuple(replay_ids.shape) != tuple(ids.shape):
+        raise ValueError(f"replay_ids must have shape {tuple(ids.shape)} ([tokens, top_k]), got "
+                         f"{tuple(replay_ids.shape)}")
+    replay_ids = replay_ids.astype(jnp.int32)
+    has = jnp.all(replay_ids >= 0, axis=-1, keepdims=True)
+    used = jnp.where(has, replay_ids, ids)
+    w = jnp.where(has, replay_gate_weights(router_logits, used, norm_topk_prob), weights)
+    return w, used, ids
 
 
 def _stacked_kn(linears, dtype) -> jax.Array:
@@ -131,12 +193,37 @@ class SparseMoeBlock(nnx.Module):
             return fake_quantize_activation(x.astype(jnp.float32), self.experts[0].gate_proj.block_size)
         return x.astype(self.dtype)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        """``x [B, S, hidden]`` (or ``[T, hidden]``) -> same shape and dtype ``dtype``."""
+    def __call__(self, x: jax.Array, replay_ids: jax.Array | None = None) -> jax.Array:
+        """``x [B, S, hidden]`` (or ``[T, hidden]``) -> same shape and dtype ``dtype`` (see :meth:`forward`)."""
+        return self.forward(x, replay_ids)[0]
+
+    def forward(self, x: jax.Array, replay_ids: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+        """The block with optional rollout routing replay (R3, arXiv 2510.11370 Sec. 3).
+
+        Args:
+          x: ``[..., hidden]``.
+          replay_ids: optional int ``[..., top_k]`` recorded expert ids (``-1`` rows: route normally); the gate
+            weights of replayed rows come from this forward's router (:func:`route_with_replay`).
+
+        Returns:
+          ``(out [..., hidden] in dtype, router_ids [..., top_k] int32)``: the router's own top-k (descending
+          probability), whether or not it was replayed: what a rollout engine records.
+
+        Raises:
+          ValueError: ``replay_ids`` of the wrong shape.
+        """
         shape = x.shape
         xt = x.reshape(-1, shape[-1]).astype(self.dtype)
         t = xt.shape[0]
-        _, weights, ids = self.router(xt)
+        logits = self.gate(xt)
+        rep = None
+        if replay_ids is not None:
+            if tuple(replay_ids.shape) != tuple(shape[:-1]) + (self.top_k,):
+                raise ValueError(f"replay_ids must have shape {tuple(shape[:-1]) + (self.top_k,)} (x's leading dims + "
+                                 f"top_k), got {tuple(replay_ids.shape)}")
+            rep = jnp.reshape(replay_ids, (t, self.top_k))
+        weights, ids, router_ids = route_with_replay(logits, self.top_k, self.norm_topk_prob, rep)
+        router_ids = router_ids.reshape(shape[:-1] + (self.top_k,))
         weights = weights.astype(self.dtype)  # HF casts the top-k weights back to the logits dtype
         if self.experts[0].gate_proj.dot_general is not None:
             # A training-precision product (e.g. FP8 training's custom VJP) is set on the expert Linears: honour
@@ -144,7 +231,7 @@ class SparseMoeBlock(nnx.Module):
             # E/k times the FLOPs of the grouped path; exact same routing semantics.
             dense_w = jnp.zeros((t, self.num_experts), self.dtype).at[jnp.arange(t)[:, None], ids].set(weights)
             out = sum(dense_w[:, j, None] * e(xt) for j, e in enumerate(self.experts))
-            return out.astype(self.dtype).reshape(shape)
+            return out.astype(self.dtype).reshape(shape), router_ids
         flat = ids.reshape(-1)                                  # [T*k] expert of each (token, slot)
         order = jnp.argsort(flat, stable=True)                  # group pairs by expert
         token = order // self.top_k                             # token of each sorted pair
@@ -161,7 +248,7 @@ class SparseMoeBlock(nnx.Module):
         y = jax.lax.ragged_dot(hs, wd.astype(hs.dtype), group_sizes, preferred_element_type=acc).astype(self.dtype)
         y = y * weights.reshape(-1)[order][:, None]
         out = jnp.zeros((t, shape[-1]), self.dtype).at[token].add(y)
-        return out.reshape(shape)
+        return out.reshape(shape), router_ids
 
 
 def tiny_qwen3_moe_config(vocab_size: int, *, hidden_size: int = 64, num_hidden_layers: int = 2,

@@ -22,7 +22,7 @@ from fp8rl_jax.objectives._common import (
     safe_log_ratio,
 )
 
-__all__ = ["rollout_corr_metrics", "token_mult_prob_error"]
+__all__ = ["rollout_corr_metrics", "routing_mismatch", "token_mult_prob_error"]
 
 
 def token_mult_prob_error(old_logprobs, rollout_logprobs, response_mask) -> jnp.ndarray:
@@ -120,3 +120,41 @@ def rollout_corr_metrics(old_logprobs, rollout_logprobs, response_mask, prefix: 
         "token_mult_prob_error": masked_mean(exp_safe(jnp.abs(lr)), m),
     }
     return jax.lax.stop_gradient({f"{prefix}{k}": v for k, v in out.items()})
+
+
+def routing_mismatch(trainer_experts, rollout_experts, response_mask, moe_layers=None) -> jnp.ndarray:
+    """Share of response tokens whose trainer top-k expert set differs from the rollout's (MoE routing mismatch).
+
+    For each MoE layer ``l``: ``mean_m [sort(trainer[b, t, l]) != sort(rollout[b, t, l])]`` over real response
+    tokens that have a rollout record (all ids ``>= 0``); the result is the mean over ``moe_layers``. Set
+    comparison: the order of the k ids does not matter. Logged as ``rollout_corr/routing_mismatch``; the quantity
+    rollout routing replay (R3, arXiv 2510.11370) removes from the trainer's forward.
+
+    Args:
+      trainer_experts: int ``[B, T, L, k]`` the trainer router's own top-k ids on the response tokens.
+      rollout_experts: int ``[B, T, L, k]`` the engine's record (``RolloutBatch.routed_experts``; -1 = none).
+      response_mask: ``[B, T]`` bool/float.
+      moe_layers: static sequence of layer indices to average over (default: all ``L``).
+
+    Returns:
+      float32 scalar in [0, 1], stop-gradient (0 when no token has a record).
+
+    Raises:
+      ValueError: shape mismatch (names the arrays).
+    """
+    te, re = jnp.asarray(trainer_experts), jnp.asarray(rollout_experts)
+    if te.shape != re.shape:
+        raise ValueError(f"routing_mismatch: shape mismatch: trainer_experts{tuple(te.shape)} vs "
+                         f"rollout_experts{tuple(re.shape)}")
+    if te.ndim != 4 or tuple(te.shape[:2]) != tuple(jnp.shape(response_mask)):
+        raise ValueError(f"routing_mismatch: experts must be [B, T, L, k] with [B, T] = response_mask's "
+                         f"{tuple(jnp.shape(response_mask))}, got {tuple(te.shape)}")
+    layers = list(range(te.shape[2])) if moe_layers is None else [int(i) for i in moe_layers]
+    if not layers:
+        return jnp.float32(0.0)
+    te, re = te[:, :, layers], re[:, :, layers]
+    differs = jnp.any(jnp.sort(te, axis=-1) != jnp.sort(re, axis=-1), axis=-1).astype(jnp.float32)  # [B, T, L']
+    m = (as_mask(response_mask) != 0)[:, :, None] & jnp.all(re >= 0, axis=-1)                          # [B, T, L']
+    m = m.astype(jnp.float32)
+    per_layer = jnp.sum(differs * m, axis=(0, 1)) / jnp.maximum(jnp.sum(m, axis=(0, 1)), 1.0)
+    return jax.lax.stop_gradient(jnp.mean(per_layer))

@@ -136,6 +136,8 @@ class JaxRolloutEngine:
         self.prompt_bucket = prompt_bucket
         self._key = jax.random.key(seed)
         self.last_sync_s = 0.0
+        # R3 (arXiv 2510.11370): an MoE engine records every fed token's top-k experts per layer in generate()
+        self.records_routing = self.model.is_moe
 
     def _check_format(self, weights: ExportedWeights) -> None:
         if weights.format != self.weight_format:
@@ -216,6 +218,11 @@ class JaxRolloutEngine:
                  expected_version: int | None = None) -> RolloutBatch:
         """Sample completions (see :class:`RolloutBatch` for shapes).
 
+        For an MoE model the batch carries the routing record of rollout routing replay (R3, arXiv 2510.11370):
+        ``routed_experts`` int32 ``[N, T, L, k]`` (each response token's top-k experts per layer, recorded when
+        the decode step fed it; -1 for dense layers and after a row's end) and ``prompt_routed_experts`` (the
+        prefill's record, ``[len(prompt), L, k]`` per row). Dense models: both None.
+
         Args:
           prompt_token_ids: B prompts (lists of ids, at least one id each).
           sampling_params: vLLM-style sampling parameters.
@@ -267,15 +274,21 @@ class JaxRolloutEngine:
                 jnp.float32(max(sp.temperature, 1e-6)), jnp.int32(max(sp.top_k, 1)), jnp.float32(sp.top_p),
                 jnp.asarray(stop_arr), *scales, n=sp.n, max_tokens=sp.max_tokens, greedy=greedy,
                 use_top_k=use_top_k, use_top_p=use_top_p, pad_token_id=self.pad_token_id,
-                cache_dtype=self.cache_dtype))
+                cache_dtype=self.cache_dtype, record_routing=self.records_routing))
         toks, lps, lengths = (np.concatenate([np.asarray(o[i]) for o in outs]) for i in range(3))
         resp_mask = (np.arange(sp.max_tokens)[None] < lengths[:, None]).astype(np.float32)
         ended = [bool(lengths[i] > 0 and toks[i, lengths[i] - 1] in stop) for i in range(b)]
+        routed = prompt_routed = None
+        if self.records_routing:  # R3 record: response [N, T, L, k]; prompt rows sliced from the left padding
+            routed = np.concatenate([np.asarray(o[3]) for o in outs]).astype(np.int32)
+            pr = np.concatenate([np.asarray(o[4]) for o in outs]).astype(np.int32)  # [U, P, L, k]
+            p_len = ids.shape[1]
+            prompt_routed = [pr[i, p_len - len(x):] for i, x in enumerate(prompts) for _ in range(sp.n)]
         return RolloutBatch(
             prompt_token_ids=rows, response_token_ids=toks, rollout_logprobs=(lps * resp_mask).astype(np.float32),
             response_mask=resp_mask, finish_reason=["stop" if e else "length" for e in ended],
             prompt_index=np.repeat(np.arange(len(prompt_token_ids), dtype=np.int32), sp.n),
-            weights_version=self.weights_version)
+            weights_version=self.weights_version, routed_experts=routed, prompt_routed_experts=prompt_routed)
 
     def score(self, prompt_token_ids: Sequence[Sequence[int]],
               continuation_ids: Sequence[Sequence[int]]) -> list[np.ndarray]:
@@ -335,16 +348,25 @@ def _score(graphdef, state, ids, mask, cont, k_scale=None, v_scale=None, q_scale
 
 
 @functools.partial(jax.jit, static_argnames=("n", "max_tokens", "greedy", "use_top_k", "use_top_p", "pad_token_id",
-                                             "cache_dtype"))
+                                             "cache_dtype", "record_routing"))
 def _generate(graphdef, state, ids, mask, key, temperature, top_k, top_p, stop_ids, k_scale=None, v_scale=None,
-              q_scale=None, *, n, max_tokens, greedy, use_top_k, use_top_p, pad_token_id, cache_dtype):
+              q_scale=None, *, n, max_tokens, greedy, use_top_k, use_top_p, pad_token_id, cache_dtype,
+              record_routing=False):
+    """Prefill + decode loop. Returns ``(toks [B, T], lps [B, T], lengths [B])`` and, with ``record_routing`` (an
+    MoE model), ``resp_routing`` int32 ``[B, T, L, k]`` (-1 after a row's end) and ``prompt_routing`` int32
+    ``[U, P, L, k]`` (the prefill's router top-k of the left-padded prompts, padding included): the rollout
+    routing record of R3 (arXiv 2510.11370)."""
     model = nnx.merge(graphdef, state)
+    cfg = model.config
     u, p = ids.shape
-    cache = KVCache.zeros(model.config, u, p + max_tokens, cache_dtype, k_scale=k_scale, v_scale=v_scale,
+    cache = KVCache.zeros(cfg, u, p + max_tokens, cache_dtype, k_scale=k_scale, v_scale=v_scale,
                           q_scale=q_scale)
     kv_mask = jnp.concatenate([mask, jnp.ones((u, max_tokens), bool)], axis=1)
     positions = positions_from_mask(mask)
-    h, cache = model.hidden_states(ids, positions, kv_mask, cache, 0)
+    if record_routing:
+        h, cache, prompt_routing = model.hidden_states(ids, positions, kv_mask, cache, 0, return_routing=True)
+    else:
+        h, cache = model.hidden_states(ids, positions, kv_mask, cache, 0)
     logits = model.logits(h[:, -1])
     next_pos = positions[:, -1] + 1
     if n > 1:  # share each prompt's prefill among its n samples
@@ -352,28 +374,38 @@ def _generate(graphdef, state, ids, mask, key, temperature, top_k, top_p, stop_i
                                                          (cache.k, cache.v, logits, kv_mask, next_pos))
         cache = cache._replace(k=ck, v=cv)  # per-layer scales are not per-row
     b = u * n
+    route_shape = (b, max_tokens, cfg.num_hidden_layers, cfg.num_experts_per_tok) if record_routing else (b, 0)
 
     def cond(carry):
-        step, _, _, _, _, _, done, _ = carry
+        step, _, _, _, _, _, done, _, _ = carry
         return (step < max_tokens) & ~jnp.all(done)
 
     def body(carry):
-        step, cache, logits, key, toks, lps, done, pos = carry
+        step, cache, logits, key, toks, lps, done, pos, routes = carry
         key, sub = jax.random.split(key)
         tok, lp = sample_tokens(sub, logits, temperature, top_k, top_p, greedy=greedy, use_top_k=use_top_k,
                                 use_top_p=use_top_p)
+        live = ~done  # this step's token is part of the response (the stop token included)
         tok = jnp.where(done, pad_token_id, tok)
         lp = jnp.where(done, 0.0, lp)
         toks = toks.at[:, step].set(tok)
         lps = lps.at[:, step].set(lp)
         done = done | jnp.any(tok[:, None] == stop_ids[None, :], axis=-1)
-        h, cache = model.hidden_states(tok[:, None], pos[:, None], kv_mask, cache, p + step)
-        return step + 1, cache, model.logits(h[:, 0]), key, toks, lps, done, pos + 1
+        if record_routing:
+            h, cache, r = model.hidden_states(tok[:, None], pos[:, None], kv_mask, cache, p + step,
+                                              return_routing=True)
+            routes = routes.at[:, step].set(jnp.where(live[:, None, None], r[:, 0], -1))
+        else:
+            h, cache = model.hidden_states(tok[:, None], pos[:, None], kv_mask, cache, p + step)
+        return step + 1, cache, model.logits(h[:, 0]), key, toks, lps, done, pos + 1, routes
 
     init = (jnp.int32(0), cache, logits, key, jnp.full((b, max_tokens), pad_token_id, jnp.int32),
-            jnp.zeros((b, max_tokens), jnp.float32), jnp.zeros((b,), bool), next_pos)
-    _, _, _, _, toks, lps, done, _ = jax.lax.while_loop(cond, body, init)
+            jnp.zeros((b, max_tokens), jnp.float32), jnp.zeros((b,), bool), next_pos,
+            jnp.full(route_shape, -1, jnp.int32))
+    _, _, _, _, toks, lps, done, _, routes = jax.lax.while_loop(cond, body, init)
     # length = index of the first stop token + 1, else max_tokens
     is_stop = jnp.any(toks[:, :, None] == stop_ids[None, None, :], axis=-1)
     first = jnp.where(jnp.any(is_stop, axis=1), jnp.argmax(is_stop, axis=1) + 1, max_tokens)
+    if record_routing:
+        return toks, lps, first.astype(jnp.int32), routes, prompt_routing
     return toks, lps, first.astype(jnp.int32)

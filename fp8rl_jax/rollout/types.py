@@ -86,6 +86,15 @@ class RolloutBatch:
       finish_reason: N strings, ``"stop"`` or ``"length"``.
       prompt_index: int32 ``[N]``, which input prompt each row answers.
       weights_version: version of the weights that produced the batch (see ``update_weights``).
+      routed_experts: rollout routing record for R3 (arXiv 2510.11370): int32 ``[N, T, L, k]``, the top-k expert
+        ids (descending router probability) that each MoE layer chose for response token ``j`` when the engine
+        fed it to the model (``L = num_hidden_layers``, ``k = num_experts_per_tok``). ``-1`` for dense (non-MoE)
+        layers, positions after a row's end (``response_mask`` 0) and tokens the engine never fed (vLLM does not
+        run the last sampled token; its routing influences no scored logprob). None for dense models and for
+        engines that do not record routing.
+      prompt_routed_experts: the same record for the prompt tokens (prefill): N int32 arrays ``[len(prompt_i), L,
+        k]`` in prompt order, or None. Token ``P - 1``'s routing decides the hidden state that predicts response
+        token 0, so the trainer replays prompt routing too when it is present (see ``train.routing_replay``).
     """
 
     prompt_token_ids: list[list[int]]
@@ -95,6 +104,8 @@ class RolloutBatch:
     finish_reason: list[str]
     prompt_index: np.ndarray
     weights_version: int = 0
+    routed_experts: np.ndarray | None = None
+    prompt_routed_experts: list[np.ndarray] | None = None
 
     @property
     def response_lengths(self) -> np.ndarray:

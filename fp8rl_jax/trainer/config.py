@@ -101,6 +101,12 @@ class TrainConfig:
       kv_scale_calibration: ``"amax"`` (max of |q|,|k|,|v| over the step's real tokens) or ``"percentile"``
         (NeMo-RL: ``kv_scale_percentile`` of per-sequence maxima); ``kv_scale_margin``: multiplier (None = 1.0 for
         amax, 1.05 for percentile); ``scale = stat * margin / 448``.
+      routing_replay: rollout routing replay (R3, arXiv 2510.11370 Sec. 3) for MoE models: the trainer's forwards
+        run, at every prompt and response token the engine recorded, the experts the rollout engine chose
+        (``RolloutBatch.routed_experts`` / ``prompt_routed_experts``), with gate weights recomputed by the
+        trainer's router over that set (so the router still learns); positions without a record are routed
+        normally. Changes nothing for a dense model. With an MoE model and an engine that returns no routing
+        the first step raises RuntimeError. ``rollout_corr/routing_mismatch`` is logged for MoE models either way.
     """
 
     output_dir: str = "runs/default"
@@ -164,6 +170,7 @@ class TrainConfig:
     mismatch_action: str = "warn"
     max_k3_kl: float | None = None
     max_prompt_length: int = 512
+    routing_replay: bool = False
 
     @property
     def response_budget(self) -> int:

@@ -126,7 +126,10 @@ def select_groups(sb: ScoredBatch, groups, group_size: int) -> ScoredBatch:
         response_mask=np.asarray(rb.response_mask)[rows],
         finish_reason=[rb.finish_reason[r] for r in rows],
         prompt_index=np.repeat(np.arange(len(groups), dtype=np.int32), group_size),
-        weights_version=rb.weights_version)
+        weights_version=rb.weights_version,
+        routed_experts=None if rb.routed_experts is None else np.asarray(rb.routed_experts)[rows],
+        prompt_routed_experts=(None if rb.prompt_routed_experts is None
+                               else [rb.prompt_routed_experts[r] for r in rows]))
     return ScoredBatch(new_rb, [sb.items[int(rb.prompt_index[g * group_size])] for g in groups],
                        [sb.texts[r] for r in rows], sb.scores[rows], sb.rewards[rows])
 
@@ -151,7 +154,12 @@ def concat_scored(batches: list[ScoredBatch]) -> ScoredBatch:
         finish_reason=[f for b in batches for f in b.rollout.finish_reason],
         prompt_index=np.concatenate([np.asarray(b.rollout.prompt_index) + o for b, o in zip(batches, offsets)]
                                     ).astype(np.int32),
-        weights_version=batches[-1].rollout.weights_version)
+        weights_version=batches[-1].rollout.weights_version,
+        # R3 routing records ride along only when every batch has one
+        routed_experts=(None if any(b.rollout.routed_experts is None for b in batches)
+                        else np.concatenate([np.asarray(b.rollout.routed_experts) for b in batches])),
+        prompt_routed_experts=(None if any(b.rollout.prompt_routed_experts is None for b in batches)
+                               else [r for b in batches for r in b.rollout.prompt_routed_experts]))
     return ScoredBatch(rb, [it for b in batches for it in b.items], [t for b in batches for t in b.texts],
                        np.concatenate([b.scores for b in batches]), np.concatenate([b.rewards for b in batches]))
 

@@ -42,7 +42,8 @@ from fp8rl_jax.trainer.config import TrainConfig
 from fp8rl_jax.trainer.precision import (LossScaleConfig, LossScaleState, adjust_loss_scale, all_finite,
                                          apply_train_precision, compute_dtype, init_loss_scale, unscale,
                                          wrap_optimizer)
-from fp8rl_jax.trainer.logprobs import left_pad, response_logprobs
+from fp8rl_jax.objectives.metrics import routing_mismatch
+from fp8rl_jax.trainer.logprobs import left_pad, response_logprobs, response_logprobs_and_routing, sequence_routing
 from fp8rl_jax.trainer.validation import prepare_run_dir
 
 _ADVANTAGES = {"grpo": objectives.grpo_advantages, "drgrpo": objectives.drgrpo_advantages,
@@ -117,6 +118,7 @@ class RLTrainer:
             engine.update_weights(self.export())
         self.engine = engine
         self.init_sync_s = time.perf_counter() - t0
+        self.moe_layers = tuple(i for i in range(model_cfg.num_hidden_layers) if model_cfg.is_sparse_layer(i))
         self._train_step = self._build_train_step()
         self._logprobs = nnx.jit(_response_logprobs_uncaptured)
         self.sync_probe = verify.make_sync_probe(self.tokenizer.encode, model_cfg.vocab_size)
@@ -386,6 +388,9 @@ class RLTrainer:
         ls_cfg = self.loss_scale_config  # fp16 only: dynamic loss scaling with overflow-skip
         # fp8 KV cache: the training forward also yields per-sequence max |q|,|k|,|v| for scale calibration
         capture, n_layers = self.kv_cache_dtype == "fp8_e4m3", self.model_config.num_hidden_layers
+        # R3 (arXiv 2510.11370): batch["rollout_routing"] [rows, P + T, L, k] (MoE models with a routing record)
+        # is replayed when train.routing_replay, and always compared with the trainer's own routing (metric)
+        replay, moe_layers = self.cfg.routing_replay, self.moe_layers
 
         def train_step(model, optimizer, batch, on_policy: bool):
             ls = ({"scale": optimizer.loss_scale[...], "good_steps": optimizer.loss_scale_good_steps[...]}
@@ -394,18 +399,25 @@ class RLTrainer:
             # on_policy: one update per step, so the policy at the update IS the old policy and
             # old_logprobs = stop_gradient(logprobs) exactly; this saves the separate recompute forward.
             def loss_fn(model):
-                args = (batch["prompt_ids"], batch["prompt_mask"], batch["response_ids"], temperature)
+                args = (batch["prompt_ids"], batch["prompt_mask"], batch["response_ids"], temperature,
+                        batch.get("rollout_routing") if replay else None)
                 qkv = None
                 if capture:
-                    lp, inter = nnx.capture(response_logprobs, nnx.Intermediate)(model, *args)
+                    (lp, router_ids), inter = nnx.capture(response_logprobs_and_routing, nnx.Intermediate)(model,
+                                                                                                           *args)
                     real = jnp.concatenate([batch["prompt_mask"], batch["response_mask"] > 0], axis=1)
                     qkv = masked_row_absmax(qkv_absmax_from_intermediates(inter, n_layers), real)
                 else:
-                    lp = response_logprobs(model, *args)
+                    lp, router_ids = response_logprobs_and_routing(model, *args)
                 old = jax.lax.stop_gradient(lp) if on_policy else batch["old_logprobs"]
                 loss, metrics = objectives.compute_policy_loss(lp, old, batch["rollout_logprobs"],
                                                                batch["advantages"], batch["response_mask"],
                                                                loss_config)
+                if router_ids is not None and "rollout_routing" in batch:  # MoE: share of differing top-k sets
+                    p = batch["prompt_ids"].shape[1]
+                    metrics = dict(metrics)
+                    metrics["rollout_corr/routing_mismatch"] = routing_mismatch(
+                        router_ids[:, p:], batch["rollout_routing"][:, p:], batch["response_mask"], moe_layers)
                 return (loss * ls["scale"] if ls is not None else loss), (metrics, old, loss, qkv)
 
             (_, (metrics, old, loss, qkv)), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model)
@@ -433,6 +445,27 @@ class RLTrainer:
             return metrics, old
 
         return run
+
+    def _rollout_routing(self, rb, prompt_width: int) -> np.ndarray | None:
+        """The rollout's routing record (R3) in the trainer's column layout, int32 ``[rows, P + T, L, k]``.
+
+        Prompt columns hold the engine's prefill record when it returned one (``prompt_routed_experts``), else -1
+        (routed normally by the trainer); response columns hold ``RolloutBatch.routed_experts``. None for a dense
+        model, or an MoE model whose engine returned no record.
+
+        Raises:
+          RuntimeError: ``train.routing_replay`` on an MoE model with an engine that returned no routing.
+        """
+        if not self.moe_layers:
+            return None
+        if rb.routed_experts is None:
+            if self.cfg.routing_replay:
+                raise RuntimeError(
+                    f"train.routing_replay=True but the rollout engine ({type(self.engine).__name__}) returned no "
+                    "routed_experts for this MoE model: use the embedded JAX engine (records routing), a vLLM "
+                    "engine started with return_routed_experts=True, or set train.routing_replay=False")
+            return None
+        return sequence_routing(rb.prompt_routed_experts, rb.routed_experts, prompt_width)
 
     # -- one RL step ----------------------------------------------------------------------------------------
     def step(self) -> dict[str, float]:
@@ -500,10 +533,14 @@ class RLTrainer:
         batch = {"prompt_ids": jnp.asarray(pid), "prompt_mask": jnp.asarray(pmask),
                  "response_ids": jnp.asarray(rb.response_token_ids), "response_mask": jnp.asarray(response_mask),
                  "rollout_logprobs": jnp.asarray(rb.rollout_logprobs), "advantages": advantages}
+        routing = self._rollout_routing(rb, pid.shape[1])
+        if routing is not None:
+            batch["rollout_routing"] = jnp.asarray(routing)
         on_policy = cfg.ppo_epochs == 1 and cfg.num_minibatches == 1
         if not on_policy:  # several updates per step: old_logprobs must be fixed before the first one
             batch["old_logprobs"] = self._logprobs(self.model, batch["prompt_ids"], batch["prompt_mask"],
-                                                   batch["response_ids"], cfg.temperature)
+                                                   batch["response_ids"], cfg.temperature,
+                                                   batch.get("rollout_routing") if cfg.routing_replay else None)
         t_old = time.perf_counter() - t0
 
         t0 = time.perf_counter()
@@ -555,9 +592,11 @@ class RLTrainer:
         return out
 
 
-def _response_logprobs_uncaptured(model, prompt_ids, prompt_mask, response_ids, temperature):
-    """:func:`response_logprobs` that drops sown q/k/v maxima (so no intermediates are left on the model)."""
-    lp, _ = nnx.capture(response_logprobs, nnx.Intermediate)(model, prompt_ids, prompt_mask, response_ids, temperature)
+def _response_logprobs_uncaptured(model, prompt_ids, prompt_mask, response_ids, temperature, routed_experts=None):
+    """:func:`response_logprobs` that drops sown q/k/v maxima (so no intermediates are left on the model);
+    ``routed_experts`` (int32 ``[B, P + T, L, k]`` or None) is replayed as in the train step (R3)."""
+    lp, _ = nnx.capture(response_logprobs, nnx.Intermediate)(model, prompt_ids, prompt_mask, response_ids, temperature,
+                                                             routed_experts)
     return lp
 
 
