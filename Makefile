@@ -30,7 +30,7 @@ setup: $(VENV)/.core-ok
 setup-test: $(VENV)/.test-ok
 
 train: setup
-	$(PY) scripts/train.py --gin_file=$(GIN_FILE) --output_dir=$(OUTPUT_DIR) $(GIN_PARAMS)
+	$(PY) scripts/train.py --gin_file=$(GIN_FILE) --output_dir=$(OUTPUT_DIR) --resume=auto $(GIN_PARAMS)
 
 test: setup-test
 	$(PY) -m pytest -q -ra tests

@@ -199,3 +199,24 @@ def test_ctrl_c_names_the_kept_checkpoint(tiny_dir, tmp_path):
     assert "interrupted: checkpoint of step" in err and "--resume" in err
     step = int(err.split("checkpoint of step ")[1].split()[0])
     assert (out / "checkpoints" / str(step)).is_dir()
+
+
+def test_run_dir_policy_keeps_an_earlier_run(tmp_path):
+    """prepare_run_dir on its own: every refusal leaves the files as they were; --overwrite clears them."""
+    from fp8rl_jax.trainer.validation import RunDirError, prepare_run_dir
+
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "reward/mean": 0.5}) + "\n")
+    before = _snapshot(run)
+    for resume, match in ((False, "already holds a run"), ("auto", "no checkpoint to continue"),
+                          (True, "no checkpoint in")):
+        with pytest.raises(RunDirError, match=match):
+            prepare_run_dir(str(run), resume, False)
+        assert _snapshot(run) == before
+    with pytest.raises(RunDirError, match="contradict"):
+        prepare_run_dir(str(run), True, True)
+    (run / "checkpoints" / "3").mkdir()
+    assert prepare_run_dir(str(run), "auto", False) == 3 and prepare_run_dir(str(run), True, False) == 3
+    assert prepare_run_dir(str(run), False, True) is None and not (run / "metrics.jsonl").exists()
+    assert prepare_run_dir(str(tmp_path / "fresh"), "auto", False) is None

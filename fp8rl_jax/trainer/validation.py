@@ -121,10 +121,13 @@ def prepare_run_dir(output_dir: str, resume: bool | str, overwrite: bool) -> int
         raise RunDirError(f"--resume: no checkpoint in {os.path.join(output_dir, 'checkpoints')}"
                           f"{f' (it holds {what})' if what else ''}; start a new run without --resume, or use "
                           "--resume=auto to continue only when a checkpoint exists")
-    if resume:
-        return steps[-1] if steps else None
-    what = describe_run(output_dir)
+    if resume and steps:
+        return steps[-1]
+    what = describe_run(output_dir)  # a new run (resume=False, or "auto" without a checkpoint) from here on
     if what and not overwrite:
+        if resume:  # "auto", metrics but no checkpoint: starting fresh would overwrite them
+            raise RunDirError(f"--resume=auto: {output_dir} holds a run ({what}) but no checkpoint to continue from; "
+                              "replace it with --overwrite or pick another --output_dir")
         raise RunDirError(f"{output_dir} already holds a run ({what}): continue it with --resume, or replace it "
                           "with --overwrite")
     if overwrite:
