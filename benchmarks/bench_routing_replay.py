@@ -124,10 +124,15 @@ def timing(args) -> dict:
               "|---|---|---|---|",
               f"| median s | {gen[False]:.4f} | {gen[True]:.4f} | {100 * res['record_cost_generate']:+.1f}% |", "",
               "Command: `python benchmarks/bench_routing_replay.py --part timing`"]
+    return _write("routing_replay_cpu", res, lines)
+
+
+def _write(name: str, res: dict, lines: list[str]) -> dict:
+    """Write ``res`` to results/NAME.json and the table ``lines`` to results/NAME.md, print the table."""
     os.makedirs(RESULTS, exist_ok=True)
-    with open(os.path.join(RESULTS, "routing_replay_cpu.json"), "w") as f:
+    with open(os.path.join(RESULTS, f"{name}.json"), "w") as f:
         json.dump(res, f, indent=2)
-    with open(os.path.join(RESULTS, "routing_replay_cpu.md"), "w") as f:
+    with open(os.path.join(RESULTS, f"{name}.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
     return res
@@ -174,13 +179,7 @@ def mismatch(args) -> dict:
                  for k in METRICS]
         lines.append(f"| {row['model']} | {'on' if row['routing_replay'] else 'off'} | " + " | ".join(cells) + " |")
     lines += ["", "Command: `python benchmarks/bench_routing_replay.py --part mismatch`"]
-    os.makedirs(RESULTS, exist_ok=True)
-    with open(os.path.join(RESULTS, "routing_replay_mismatch_cpu.json"), "w") as f:
-        json.dump(res, f, indent=2)
-    with open(os.path.join(RESULTS, "routing_replay_mismatch_cpu.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
-    return res
+    return _write("routing_replay_mismatch_cpu", res, lines)
 
 
 def main():

@@ -67,8 +67,10 @@ def main(argv=None) -> int:
 
 def interrupted(output_dir: str) -> int:
     """Ctrl-C: say which checkpoint is kept and how to continue (exit status 130, no traceback)."""
+    from fp8rl_jax.trainer.validation import checkpoint_steps
+
     ckpt = os.path.join(output_dir, "checkpoints")
-    steps = sorted(int(n) for n in os.listdir(ckpt) if n.isdigit()) if os.path.isdir(ckpt) else []
+    steps = checkpoint_steps(output_dir)
     if steps:
         print(f"interrupted: checkpoint of step {steps[-1]} kept in {ckpt}/{steps[-1]}; continue with the same "
               "command plus --resume", file=sys.stderr)

@@ -74,7 +74,9 @@ def check_field_types(obj: Any, prefix: str) -> None:
             raise TypeError(f"{prefix}.{f.name}={value!r} is a {type(value).__name__}; expected {_type_name(hint)}")
 
 
-def _checkpoint_steps(output_dir: str) -> list[int]:
+def checkpoint_steps(output_dir: str) -> list[int]:
+    """Committed orbax checkpoint steps under ``output_dir/checkpoints``, ascending (in-flight temporaries, whose
+    names are not plain integers, are left out)."""
     d = os.path.join(output_dir, "checkpoints")
     if not os.path.isdir(d):
         return []
@@ -83,7 +85,7 @@ def _checkpoint_steps(output_dir: str) -> list[int]:
 
 def describe_run(output_dir: str) -> str | None:
     """A short description of an earlier run in ``output_dir`` (None when it holds no metrics or checkpoints)."""
-    steps = _checkpoint_steps(output_dir)
+    steps = checkpoint_steps(output_dir)
     metrics = os.path.join(output_dir, "metrics.jsonl")
     lines = 0
     if os.path.isfile(metrics):
@@ -115,7 +117,7 @@ def prepare_run_dir(output_dir: str, resume: bool | str, overwrite: bool) -> int
     """
     if resume and overwrite:
         raise RunDirError("--resume and --overwrite contradict each other: pick one")
-    steps = _checkpoint_steps(output_dir)
+    steps = checkpoint_steps(output_dir)
     if resume is True and not steps:
         what = describe_run(output_dir)
         raise RunDirError(f"--resume: no checkpoint in {os.path.join(output_dir, 'checkpoints')}"
