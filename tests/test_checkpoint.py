@@ -75,7 +75,7 @@ def _trainer(cfg):
 
 
 def _no_timing(m):
-    return {k: v for k, v in m.items() if not k.startswith("timing/")}
+    return {k: v for k, v in m.items() if not k.startswith(("timing/", "memory/"))}
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ from fp8rl_jax.models.loading import build_model, load_checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REQUIRED = ("step", "reward/mean", "rollout_corr/k3_kl", "rollout_corr/kl", "timing/rollout_s", "timing/train_s",
-            "timing/sync_s")
+            "timing/sync_s", "memory/host_rss_gb", "memory/host_peak_rss_gb")
 
 
 @pytest.fixture(scope="module")

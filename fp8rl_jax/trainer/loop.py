@@ -651,6 +651,7 @@ def train(config: TrainConfig | None = None, *, trainer: RLTrainer | None = None
     """
     import dataclasses
 
+    from fp8rl_jax.trainer.host_memory import memory_metrics, release_host_memory
     from fp8rl_jax.trainer.logging import RunLogger, plot_metrics
 
     cfg = config or TrainConfig()
@@ -690,6 +691,8 @@ def train(config: TrainConfig | None = None, *, trainer: RLTrainer | None = None
         while trainer.step_count < cfg.num_steps:
             m = trainer.step()
             m.update(trainer.maybe_evaluate())
+            release_host_memory()  # freed XLA temporaries back to the OS: RSS stays flat across steps
+            m.update(memory_metrics())
             logger.log(m)
             if store is not None and cfg.checkpoint_every > 0:
                 trainer.save_checkpoint(store, force=trainer.step_count == cfg.num_steps)
@@ -720,6 +723,7 @@ def train(config: TrainConfig | None = None, *, trainer: RLTrainer | None = None
         "timing/setup_s": setup_s, "timing/total_s": time.perf_counter() - t0,
         "timing/sync_s_mean": mean_of("timing/sync_s"),
         "timing/step_s_mean": mean_of("timing/step_s"),
+        "memory/host_peak_rss_gb": max([m.get("memory/host_peak_rss_gb", 0.0) for m in history] or [math.nan]),
     }
     if cfg.train_precision == "fp16":
         summary["actor/skipped_steps"] = float(np.sum([m.get("actor/skipped_step", 0.0) for m in history]))
