@@ -18,11 +18,19 @@ import numpy as np
 
 from fp8rl_jax.models.decoder import CausalLM, left_pad, positions_from_mask  # noqa: F401 (re-export)
 
+# Positions per logits chunk: 2048 x 151936 (Qwen3 vocab) x 4 B = 1.2 GB of float32 logits at a time, against
+# 8 x 1024 x 151936 x 4 B = 5 GB (twice, with log_softmax) for a [B=8, T=1024] minibatch unchunked.
+DEFAULT_CHUNK_SIZE = 2048
+
 
 def response_logprobs_and_routing(model: CausalLM, prompt_ids: jax.Array, prompt_mask: jax.Array,
                                   response_ids: jax.Array, temperature: float | jax.Array = 1.0,
-                                  routed_experts: jax.Array | None = None):
+                                  routed_experts: jax.Array | None = None, *,
+                                  chunk_size: int | None = DEFAULT_CHUNK_SIZE, return_entropy: bool = False):
     """:func:`response_logprobs` plus the router's own top-k ids of every column.
+
+    ``chunk_size`` (positions per logits chunk, see :func:`token_logprobs`) bounds the logits memory; with
+    ``return_entropy`` a third element, the float32 ``[B, T]`` entropy (nats, no gradient), is returned.
 
     Returns:
       ``(logprobs float32 [B, T], router_ids int32 [B, P + T, L, k] or None)``: ``router_ids`` is the top-k each
@@ -40,13 +48,71 @@ def response_logprobs_and_routing(model: CausalLM, prompt_ids: jax.Array, prompt
     positions = positions_from_mask(kv_mask)
     h, _, router_ids = model.hidden_states(ids, positions, kv_mask, routed_experts=routed_experts,
                                            return_routing=True)
-    logits = model.logits(h[:, p - 1:p + t - 1]) / temperature
-    logp = jax.nn.log_softmax(logits, axis=-1)
-    return jnp.take_along_axis(logp, response_ids[..., None], axis=-1)[..., 0], router_ids
+    logp, entropy = token_logprobs(model.logits, h[:, p - 1:p + t - 1], response_ids, temperature,
+                                   chunk_size=chunk_size, with_entropy=return_entropy)
+    return (logp, router_ids, entropy) if return_entropy else (logp, router_ids)
+
+
+def token_logprobs(logits_fn, h: jax.Array, targets: jax.Array, temperature: float | jax.Array = 1.0, *,
+                   chunk_size: int | None = DEFAULT_CHUNK_SIZE, with_entropy: bool = False):
+    """Per-token ``log softmax(logits / temperature)[target]`` (and entropy) without materializing ``[B, T, V]``.
+
+    The ``B * T`` positions are processed ``chunk_size`` at a time (``jax.lax.map``); each chunk's
+    ``[chunk_size, V]`` float32 logits live only inside the chunk, and under autodiff the chunk is rematerialized
+    (``jax.checkpoint``) so the backward pass does not keep them either: peak logits memory is
+    ``chunk_size * V * 4`` bytes instead of ``B * T * V * 4`` (tunix ``compute_logps_chunk_size``, maxtext vocab
+    tiling). ``log_softmax(z)[y] = z_y - logsumexp(z)``; entropy ``H = logsumexp(z) - sum(softmax(z) * z)`` (nats,
+    of the temperature-scaled distribution, as verl's ``actor/entropy``), returned under ``stop_gradient``.
+
+    Args:
+      logits_fn: ``[N, hidden] -> [N, V]`` float32 (e.g. :meth:`CausalLM.logits`).
+      h: hidden states ``[B, T, hidden]``; position ``(b, j)`` predicts ``targets[b, j]``.
+      targets: int ``[B, T]`` token ids.
+      temperature: logits are divided by it (> 0).
+      chunk_size: positions per chunk (> 0), or None for one chunk (the plain ``[B, T, V]`` computation). When
+        ``B * T <= chunk_size`` the single chunk is computed directly (no recompute in the backward pass).
+      with_entropy: also return the entropy.
+
+    Returns:
+      ``(logprobs float32 [B, T], entropy float32 [B, T] or None)``.
+
+    Raises:
+      ValueError: ``chunk_size`` not a positive int, or ``targets`` not ``[B, T]`` matching ``h``.
+    """
+    b, t = h.shape[:2]
+    if tuple(targets.shape) != (b, t):
+        raise ValueError(f"targets must have shape {(b, t)} (the hidden states' [B, T]), got {tuple(targets.shape)}")
+    if chunk_size is not None and (not isinstance(chunk_size, int) or isinstance(chunk_size, bool)
+                                   or chunk_size <= 0):
+        raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
+    n = b * t
+    hf, tf = h.reshape(n, h.shape[-1]), targets.reshape(n).astype(jnp.int32)
+
+    def one(hc, tc):
+        z = logits_fn(hc).astype(jnp.float32) / temperature  # [c, V]
+        lse = jax.nn.logsumexp(z, axis=-1)
+        lp = jnp.take_along_axis(z, tc[:, None], axis=-1)[:, 0] - lse
+        if not with_entropy:
+            return lp, None
+        zs = jax.lax.stop_gradient(z)
+        ent = jax.lax.stop_gradient(lse) - jnp.sum(jax.nn.softmax(zs, axis=-1) * zs, axis=-1)
+        return lp, ent
+
+    if chunk_size is None or n <= chunk_size:
+        lp, ent = one(hf, tf)
+    else:
+        pad = (-n) % chunk_size
+        hc = jnp.pad(hf, ((0, pad), (0, 0))).reshape(-1, chunk_size, hf.shape[-1])
+        tc = jnp.pad(tf, (0, pad)).reshape(-1, chunk_size)
+        lp, ent = jax.lax.map(jax.checkpoint(lambda a: one(*a)), (hc, tc))
+        lp = lp.reshape(-1)[:n]
+        ent = ent.reshape(-1)[:n] if with_entropy else None
+    return lp.reshape(b, t), (ent.reshape(b, t) if with_entropy else None)
 
 
 def response_logprobs(model: CausalLM, prompt_ids: jax.Array, prompt_mask: jax.Array, response_ids: jax.Array,
-                      temperature: float | jax.Array = 1.0, routed_experts: jax.Array | None = None) -> jax.Array:
+                      temperature: float | jax.Array = 1.0, routed_experts: jax.Array | None = None, *,
+                      chunk_size: int | None = DEFAULT_CHUNK_SIZE) -> jax.Array:
     """Logprobs of ``response_ids`` given left-padded prompts.
 
     Args:
@@ -56,12 +122,13 @@ def response_logprobs(model: CausalLM, prompt_ids: jax.Array, prompt_mask: jax.A
       temperature: logits are divided by it (> 0).
       routed_experts: optional R3 record to replay, int32 ``[B, P + T, L, k]`` (-1 = route normally); ignored by
         a dense model.
+      chunk_size: positions per logits chunk (:func:`token_logprobs`); None computes ``[B, T, V]`` at once.
 
     Returns:
       float32 ``[B, T]``.
     """
     return response_logprobs_and_routing(model, prompt_ids, prompt_mask, response_ids, temperature,
-                                         routed_experts)[0]
+                                         routed_experts, chunk_size=chunk_size)[0]
 
 
 def sequence_routing(prompt_routed_experts, routed_experts: np.ndarray, prompt_width: int) -> np.ndarray:
