@@ -79,6 +79,12 @@ def bench_one(m, n, k, gpu, repeats, tiles=()):
     if gpu:
         fns["fp8_blocked"] = (jax.jit(lambda a, q, s: w8a8_block_matmul(a, q, s, out_dtype=jnp.float32, impl="blocked")),
                               (x, wq, ws))
+        # the two Pallas paths side by side (fp8_w8a8 = what "auto" picks at this M)
+        fns["fp8_unfused"] = (jax.jit(lambda a, q, s: w8a8_block_matmul(a, q, s, out_dtype=jnp.float32,
+                                                                         impl="pallas")), (x, wq, ws))
+        if m <= 256:
+            fns["fp8_fused_splitk"] = (jax.jit(lambda a, q, s: w8a8_block_matmul(a, q, s, out_dtype=jnp.float32,
+                                                                                  impl="fused")), (x, wq, ws))
         tensor_dg = make_fp8_dot_general(scaling="tensor", impl="blocked")
         fns["fp8_tensor"] = (jax.jit(lambda a, b: tensor_dg(a, b, DN, preferred_element_type=jnp.float32)), (x, w))
         if m >= 1024:
@@ -134,8 +140,9 @@ def main(argv=None):
             best = (f"  best GEMM tile {row['best_gemm_tile']}: {row['speedup_best_gemm_vs_bf16']:.2f}x bf16"
                     if "best_gemm_tile" in row else "")
             print(f"{name:>13} M={m:<5} {cols}  w8a8/bf16 {row['speedup_w8a8_vs_bf16']:.2f}x{best}", flush=True)
-    impls = [key for key, v in rows[0].items() if isinstance(v, dict)]
-    impls = [i for i in ["bf16", "fp8_w8a8", "dequant_then_bf16", "fp8_dot_general", "fp8_blocked", "fp8_tensor"]
+    impls = {key for r in rows for key, v in r.items() if isinstance(v, dict)}
+    impls = [i for i in ["bf16", "fp8_w8a8", "dequant_then_bf16", "fp8_dot_general", "fp8_blocked", "fp8_tensor",
+                         "fp8_unfused", "fp8_fused_splitk"]
              if i in impls]
     payload = {"benchmark": "bench_fp8_matmul", "device": info, "command": " ".join(sys.argv),
                "fp8_impl": "pallas" if gpu else "dequant", "rows": rows,
@@ -148,7 +155,7 @@ def main(argv=None):
     for r in rows:
         extra = f" {r['speedup_w8a8_vs_dequant_then_bf16']:.2f} |" if not gpu else ""
         md.append(f"| {r['shape']} ({r['N']}, {r['K']}) | {r['M']} | "
-                  + " | ".join(f"{r[i]['TFLOPs']:.4f}" for i in impls) + f" | {r['speedup_w8a8_vs_bf16']:.2f} |" + extra)
+                  + " | ".join(f"{r[i]['TFLOPs']:.4f}" if i in r else "-" for i in impls) + f" | {r['speedup_w8a8_vs_bf16']:.2f} |" + extra)
     tuned = [r for r in rows if "best_gemm_tile" in r]
     if tuned:
         md += ["", "Pallas GEMM alone (pre-quantized operands), best tile per shape at M >= 1024:"]

@@ -96,6 +96,22 @@ def test_w8a8_gemm_on_gpu_matches_float64(m):
     assert np.linalg.norm(yb - want) / np.linalg.norm(want) < GEMM_RTOL
 
 
+@pytest.mark.parametrize("m,splits", [(1, None), (8, 4), (64, 1)])
+def test_fused_decode_kernel_on_gpu_matches_float64(m, splits):
+    """The one-launch split-K kernel quantizes the activation rows itself: same float64 product as the GEMM."""
+    from fp8rl_jax.fp8.pallas_decode import fused_w8a8_decode_matmul
+
+    rng = np.random.default_rng(100 + m)
+    x = rng.standard_normal((m, 1024)).astype(np.float32)
+    w = (rng.standard_normal((640, 1024)) * 0.02).astype(np.float32)
+    xq, xs = ref.quantize_blocks(x, 1, 128, quant.ACTIVATION_RECIPE)
+    wq, ws = ref.quantize_blocks(w, 128, 128, quant.WEIGHT_RECIPE)
+    want = ref.dequantize_blocks(xq, xs, 1, 128) @ ref.dequantize_blocks(wq, ws, 128, 128).T
+    y = np.asarray(fused_w8a8_decode_matmul(_gpu(x), _gpu(wq), _gpu(ws), splits=splits, interpret=False), np.float64)
+    assert y.shape == (m, 640) and np.isfinite(y).all()
+    assert np.linalg.norm(y - want) / np.linalg.norm(want) < GEMM_RTOL
+
+
 def _qwen3_06b_shapes(layers: int = 2):
     """Qwen3-0.6B's real widths (hidden 1024, 16/8 heads of 128, MLP 3072, vocab 151936), ``layers`` layers."""
     from fp8rl_jax.models.config import ModelConfig

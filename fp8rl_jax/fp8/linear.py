@@ -3,14 +3,19 @@
 ``y[m, n] = sum_kb (xq[m, kb] . wq[n, kb]) * xs[m, kb] * ws[n // 128, kb]`` with float32 accumulation
 (DeepSeek-V3 / DeepGEMM / vLLM ``w8a8_block_fp8_matmul``). On CPU this is evaluated as
 ``dequant(xq) @ dequant(wq).T`` in float32, which is the same sum (only the order of fp32 additions differs);
-on a CUDA GPU it runs the fused Pallas GEMM (:mod:`fp8rl_jax.fp8.pallas_gemm`) on real e4m3 operands.
+on a CUDA GPU it runs Pallas kernels on real e4m3 operands: for ``M <= 64`` rows (decode) the one-launch split-K
+kernel that quantizes the activations in its prologue (:mod:`fp8rl_jax.fp8.pallas_decode`), above that group
+quantization then the tiled GEMM (:mod:`fp8rl_jax.fp8.pallas_gemm`).
 """
 
 from __future__ import annotations
 
+import math
+
 import jax.numpy as jnp
 
 from fp8rl_jax.fp8.dot_general import default_impl, scaled_matmul
+from fp8rl_jax.fp8.pallas_decode import MAX_DECODE_ROWS, fused_w8a8_decode_matmul
 from fp8rl_jax.fp8.formats import ACTIVATION_RECIPE, BLOCK_SIZE
 from fp8rl_jax.fp8.quant import _quantize_groups
 
@@ -26,8 +31,11 @@ def w8a8_block_matmul(x: jnp.ndarray, weight: jnp.ndarray, weight_scale_inv: jnp
       weight_scale_inv: float32 ``[ceil(N/bs), ceil(K/bs)]``.
       block_size: bs (128).
       out_dtype: result dtype (default ``x.dtype``).
-      impl: ``"auto"`` (Pallas GEMM on a CUDA GPU, dequantize + float32 matmul elsewhere), ``"dequant"``,
-        ``"blocked"`` (per-K-block real e4m3 ``dot_general``) or ``"pallas"``.
+      impl: ``"auto"`` (on a CUDA GPU: ``"fused"`` for at most :data:`~fp8rl_jax.fp8.pallas_decode.MAX_DECODE_ROWS`
+        rows, else ``"pallas"``; dequantize + float32 matmul elsewhere), ``"dequant"``, ``"blocked"`` (per-K-block
+        real e4m3 ``dot_general``), ``"pallas"`` (group quantization, then the tiled GEMM) or ``"fused"`` (one
+        split-K kernel with the activation quantization inside; bit-identical to ``"pallas"`` up to the order of
+        the float32 additions of K-block partials).
 
     Returns:
       ``[..., N]`` in ``out_dtype``; accumulated in float32.
@@ -43,8 +51,16 @@ def w8a8_block_matmul(x: jnp.ndarray, weight: jnp.ndarray, weight_scale_inv: jnp
         raise ValueError(f"w8a8_block_matmul: weight_scale_inv {tuple(weight_scale_inv.shape)} does not match "
                          f"weight {tuple(weight.shape)} with block {block_size}: expected {(nb, kb)}")
     out_dtype = out_dtype or x.dtype
-    impl = default_impl() if impl == "auto" else impl
     *lead, _ = x.shape
+    rows = math.prod(lead)
+    if impl == "auto":
+        impl = default_impl()
+        if impl == "pallas" and rows <= MAX_DECODE_ROWS:
+            impl = "fused"
+    if impl == "fused":
+        y = fused_w8a8_decode_matmul(x.reshape(rows, k), weight, weight_scale_inv, block_size=block_size,
+                                     out_dtype=out_dtype)
+        return y.reshape(*lead, n)
     x2 = x.reshape(1, -1, k)
     xq, xs = _quantize_groups(x2, group_size=block_size, ue8m0=False, fp8_dtype=jnp.dtype(weight.dtype),
                               fp8_max=float(jnp.finfo(weight.dtype).max), recipe=ACTIVATION_RECIPE)
