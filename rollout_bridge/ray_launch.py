@@ -441,6 +441,103 @@ def start(config, *, num_rollout_actors: int = 1, rollout_engine: str = "jax", t
     return RayJob(trainer, rollout, pg)
 
 
+class TrainerHost:
+    """One JAX process of a multi-host trainer (one per host): joins the ``jax.distributed`` job, then builds an
+    :class:`fp8rl_jax.trainer.RLTrainer` with its own embedded rollout engine (colocated rollout). The train step
+    runs SPMD over the mesh that spans every process's devices (``train.mesh``); process 0 writes the run files.
+
+    Args:
+      config: the run's ``TrainConfig``.
+      distributed: :class:`fp8rl_jax.trainer.distributed.DistributedConfig` of this process.
+      gin_config: the driver's gin bindings, re-parsed here.
+    """
+
+    def __init__(self, config, distributed, gin_config: str | None = None):
+        from fp8rl_jax.trainer import distributed as dist
+
+        if gin_config:
+            import gin
+
+            gin.parse_config(gin_config)
+        dist.initialize(distributed)  # before any JAX computation in this process
+        self.config = config
+
+    def train(self, num_steps: int | None = None) -> list[dict[str, float]]:
+        """Build the trainer and run :func:`fp8rl_jax.trainer.loop.train` (collective: every host calls it)."""
+        from fp8rl_jax.trainer.loop import train
+
+        cfg = self.config if num_steps is None else dataclasses.replace(self.config, num_steps=int(num_steps))
+        return train(cfg)
+
+
+def _node_address() -> str:
+    """``"ip:port"`` on the calling node with a free port (run inside bundle 0 to find process 0's coordinator)."""
+    import ray
+
+    from rollout_bridge.transports import free_port
+
+    return f"{ray.util.get_node_ip_address()}:{free_port('0.0.0.0')}"
+
+
+def launch_multihost(config, *, num_processes: int, address: str | None = None, cpus_per_process: float = 1,
+                     gpus_per_process: float = 0, spread: bool = False, num_steps: int | None = None,
+                     ray_init_kwargs: dict | None = None, gin_config: str | None = None,
+                     placement_timeout_s: float = 300.0) -> list[dict[str, float]]:
+    """Train with one JAX process per bundle (``jax.distributed``; the coordinator on bundle 0's node), each with
+    a colocated embedded rollout engine; returns process 0's metric history.
+
+    Args:
+      config: the run's ``TrainConfig`` (``train.mesh`` should span all processes' devices, e.g. ``data=N``).
+      num_processes: JAX processes (one per host on a GPU cluster).
+      address: existing Ray cluster, or None for a local one.
+      cpus_per_process, gpus_per_process: each process's bundle.
+      spread: one process per node (``STRICT_SPREAD``); default ``PACK`` (a local test fits on one node).
+      num_steps: override of ``config.num_steps``.
+      ray_init_kwargs, gin_config, placement_timeout_s: as :func:`start`.
+
+    Raises:
+      ValueError: ``num_processes < 1``.
+      TimeoutError: the placement group cannot be placed in time.
+    """
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from fp8rl_jax.trainer.distributed import DistributedConfig
+
+    if num_processes < 1:
+        raise ValueError(f"num_processes must be >= 1, got {num_processes}")
+    if not ray.is_initialized():
+        kw = dict(ray_init_kwargs or {})
+        if address is None:
+            local_auth_token(kw.get("_temp_dir") or os.path.join("/tmp", "ray"))
+        env = {k: os.environ[k] for k in ("HF_HUB_OFFLINE", "PYTHONPATH", "XLA_FLAGS") if k in os.environ}
+        kw.setdefault("runtime_env", {"env_vars": env})
+        ray.init(address=address, **kw)
+    bundle = {"CPU": cpus_per_process, **({"GPU": gpus_per_process} if gpus_per_process else {})}
+    pg = placement_group([dict(bundle) for _ in range(num_processes)], strategy="STRICT_SPREAD" if spread else "PACK")
+    try:
+        ray.get(pg.ready(), timeout=placement_timeout_s)
+    except ray.exceptions.GetTimeoutError as e:
+        remove_placement_group(pg)
+        raise TimeoutError(f"Ray could not place {num_processes} bundles of {bundle} within {placement_timeout_s}s "
+                           f"(cluster resources: {ray.cluster_resources()})") from e
+    on = lambda i: PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i)  # noqa: E731
+    actors = []
+    try:
+        coordinator = ray.get(ray.remote(_node_address).options(num_cpus=0, scheduling_strategy=on(0)).remote())
+        Host = ray.remote(TrainerHost)
+        actors = [Host.options(num_cpus=cpus_per_process, num_gpus=gpus_per_process, scheduling_strategy=on(i))
+                  .remote(config, DistributedConfig(coordinator_address=coordinator, num_processes=num_processes,
+                                                    process_id=i), gin_config)
+                  for i in range(num_processes)]
+        return ray.get([a.train.remote(num_steps) for a in actors])[0]
+    finally:
+        for a in actors:
+            ray.kill(a)
+        remove_placement_group(pg)
+
+
 def _model_config(config):
     from fp8rl_jax.models.loading import load_model_config
 

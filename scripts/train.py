@@ -5,6 +5,7 @@
     python scripts/train.py ... --output_dir=DIR --resume      # continue from DIR/checkpoints (latest step)
     python scripts/train.py ... --output_dir=DIR --resume=auto # continue if DIR has a checkpoint, else start
     python scripts/train.py ... --output_dir=DIR --overwrite   # replace an earlier run in DIR
+    python scripts/train.py ... --coordinator_address=HOST0:PORT --num_processes=2 --process_id=I   # one per host
 
 A new run refuses an --output_dir that holds an earlier run's metrics or checkpoints (exit 2, one line naming
 --resume and --overwrite), and --resume refuses a directory without a checkpoint, before any work.
@@ -38,6 +39,10 @@ def main(argv=None) -> int:
                              "--resume=auto: continue if there is one, else start a new run")
     parser.add_argument("--overwrite", action="store_true",
                         help="delete an earlier run's metrics, checkpoints and plots in OUTPUT_DIR and start anew")
+    parser.add_argument("--coordinator_address", default=None,
+                        help="multi-host: host:port of process 0 (jax.distributed; gin distributed.coordinator_address)")
+    parser.add_argument("--num_processes", type=int, default=None, help="multi-host: processes in the job")
+    parser.add_argument("--process_id", type=int, default=None, help="multi-host: this process's index")
     args = parser.parse_args(argv)
     overrides = {}
     if args.resume:
@@ -47,6 +52,15 @@ def main(argv=None) -> int:
     cfg, error = config_from_gin_flags(args, **overrides)
     if error:
         return fail(error)
+    from fp8rl_jax.trainer import distributed
+
+    try:  # before any JAX computation: join the other hosts' processes
+        flags = {k: v for k, v in (("coordinator_address", args.coordinator_address),
+                                   ("num_processes", args.num_processes), ("process_id", args.process_id))
+                 if v is not None}
+        distributed.initialize(distributed.DistributedConfig(**flags))
+    except (ValueError, RuntimeError) as e:
+        return fail(str(e).splitlines()[0])  # gin appends "In call to configurable ..." lines
     from fp8rl_jax.trainer import train
 
     try:
