@@ -12,10 +12,17 @@ activations quantized in 1x128 groups on the fly), the layout vLLM's blockwise F
 Embeddings, norms and ``lm_head`` always stay in ``param_dtype``.
 
 The same ``__call__`` serves training (no cache) and the rollout engine (a KV cache passed in and out).
+Attention runs through :func:`jax.nn.dot_product_attention` except for FP8 attention (see
+:meth:`Attention.forward`). The cache-less (training) forward can checkpoint each layer
+(``CausalLM(remat_policy=...)``, :mod:`fp8rl_jax.models.remat`) and run identical layers as one ``lax.scan``
+(``CausalLM(scan_layers=True)``) while parameters stay stored per layer under their HF names.
+``Linear``, ``RMSNorm`` and ``MLP`` live in :mod:`fp8rl_jax.models.layers` (shared with the MoE block, no import
+cycle) and are re-exported here.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Any, NamedTuple, Sequence
 
@@ -23,13 +30,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
-from fp8rl_jax.fp8 import BLOCK_SIZE, E4M3, w8a8_block_matmul
 from fp8rl_jax.fp8.kv_cache import dequantize_kv, is_fp8_cache, quantize_kv
 from fp8rl_jax.models.config import ModelConfig
-
-LINEAR_PRECISIONS = ("dense", "fp8")
-
+from fp8rl_jax.models.layers import LINEAR_PRECISIONS, MLP, Linear, RMSNorm  # noqa: F401 (re-exported)
+from fp8rl_jax.models.moe import SparseMoeBlock
+from fp8rl_jax.models.remat import KEY_PROJ, OUT_PROJ, QUERY_PROJ, VALUE_PROJ, checkpoint_policy, validate_remat_policy
 
 class KVCache(NamedTuple):
     """Preallocated per-layer key/value cache, optionally FP8 (vLLM ``kv_cache_dtype="fp8_e4m3"`` semantics).
@@ -70,59 +77,6 @@ class KVCache(NamedTuple):
         """Layer ``i``'s ``(k, v, k_scale, v_scale, q_scale)`` as :class:`Attention` takes it (scales may be None)."""
         pick = lambda s: None if s is None else s[i]  # noqa: E731
         return (self.k[i], self.v[i], pick(self.k_scale), pick(self.v_scale), pick(self.q_scale))
-
-
-class Linear(nnx.Module):
-    """``y = x @ weight.T (+ bias)`` with HF layout ``weight [out_features, in_features]``.
-
-    With ``precision="fp8"`` the parameters are ``weight`` (e4m3 ``[N, K]``) and ``weight_scale_inv``
-    (float32 ``[ceil(N/128), ceil(K/128)]``) and the product is the W8A8 blockwise FP8 matmul
-    (:func:`fp8rl_jax.fp8.w8a8_block_matmul`). A dense layer whose ``dot_general`` attribute is set (see
-    :func:`fp8rl_jax.trainer.precision.apply_train_precision`) computes ``dot_general(x, weight, contract K)``
-    instead of the einsum, e.g. the FP8 training product with its custom VJP.
-    """
-
-    def __init__(self, in_features: int, out_features: int, *, use_bias: bool = False, precision: str = "dense",
-                 param_dtype=jnp.float32, dtype=jnp.float32, rngs: nnx.Rngs, block_size: int = BLOCK_SIZE):
-        if precision not in LINEAR_PRECISIONS:
-            raise ValueError(f"linear precision {precision!r} not in {LINEAR_PRECISIONS}")
-        self.precision, self.dtype, self.block_size = precision, dtype, block_size
-        # Optional ``jax.lax.dot_general``-compatible product for the dense path (e.g. the FP8 training VJP of
-        # :func:`fp8rl_jax.fp8.training.make_fp8_train_dot_general`); ``None`` = plain einsum.
-        self.dot_general = None
-        if precision == "fp8":
-            self.weight = nnx.Param(jnp.zeros((out_features, in_features), E4M3))
-            self.weight_scale_inv = nnx.Param(jnp.ones(
-                (math.ceil(out_features / block_size), math.ceil(in_features / block_size)), jnp.float32))
-        else:
-            init = nnx.initializers.normal(0.02)
-            self.weight = nnx.Param(init(rngs.params(), (out_features, in_features), param_dtype))
-        self.bias = nnx.Param(jnp.zeros((out_features,), param_dtype)) if use_bias else None
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        if self.precision == "fp8":
-            y = w8a8_block_matmul(x, self.weight[...], self.weight_scale_inv[...], self.block_size, out_dtype=self.dtype)
-        elif self.dot_general is not None:
-            xd = x.astype(self.dtype)
-            y = self.dot_general(xd, self.weight[...].astype(self.dtype), (((xd.ndim - 1,), (1,)), ((), ())))
-        else:
-            y = jnp.einsum("...k,nk->...n", x.astype(self.dtype), self.weight[...].astype(self.dtype))
-        if self.bias is not None:
-            y = y + self.bias[...].astype(y.dtype)
-        return y
-
-
-class RMSNorm(nnx.Module):
-    """RMSNorm as in HF Llama: ``weight * (x / sqrt(mean(x**2) + eps))`` computed in float32."""
-
-    def __init__(self, dim: int, eps: float, param_dtype=jnp.float32):
-        self.eps = eps
-        self.weight = nnx.Param(jnp.ones((dim,), param_dtype))
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        xf = x.astype(jnp.float32)
-        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
-        return (self.weight[...].astype(jnp.float32) * xf).astype(x.dtype)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> jnp.ndarray:
@@ -183,25 +137,61 @@ class Attention(nnx.Module):
         # (after QK-norm and RoPE) for FP8 KV-scale calibration; read it with ``nnx.capture`` and
         # :func:`qkv_absmax_from_intermediates`.
         self.capture_qkv_absmax = False
+        # ``implementation`` of :func:`jax.nn.dot_product_attention` (``None``: JAX's choice, XLA today;
+        # ``"cudnn"``: cuDNN flash attention on an NVIDIA GPU, which supports a subset of shapes/dtypes).
+        self.attention_implementation = None
 
     def __call__(self, x, positions, inv_freq, kv_mask, q_slots, cache_kv=None, cache_index=None):
-        """Attention over ``x [B, S, hidden]``; returns ``(out [B, S, hidden], new_kv or None)``.
+        """:meth:`forward`, sowing the q/k/v maxima (``nnx.Intermediate`` ``qkv_absmax``) when capture is on.
+
+        Returns ``(out [B, S, hidden], new_kv or None)``.
+        """
+        out, new_kv, amax = self.forward(x, positions, inv_freq, kv_mask, q_slots, cache_kv, cache_index)
+        if amax is not None:
+            self.sow(nnx.Intermediate, "qkv_absmax", amax)
+        return out, new_kv
+
+    def forward(self, x, positions, inv_freq, kv_mask, q_slots, cache_kv=None, cache_index=None):
+        """Attention over ``x [B, S, hidden]``; returns ``(out [B, S, hidden], new_kv or None, qkv_absmax)``.
+
+        ``qkv_absmax`` is float32 ``[3 (q, k, v), B, S]`` (per-token max |.| after QK-norm and RoPE, gradient
+        stopped) in a cache-less forward with ``capture_qkv_absmax`` set, else None; this method never sows (it
+        runs inside ``jax.checkpoint`` / ``lax.scan`` bodies), :meth:`__call__` does.
 
         ``cache_kv`` is ``(k, v)`` or :meth:`KVCache.layer`'s ``(k, v, k_scale, v_scale, q_scale)``. An e4m3
         cache is written as ``fp8(k / k_scale)`` and read as ``fp8 * k_scale`` (vLLM semantics); with a
         ``q_scale`` the queries are quantized too and ``QK^T`` runs on e4m3 values with float32 accumulation,
         times ``q_scale * k_scale`` (FP8 attention; the softmax probabilities stay in ``dtype``).
+
+        Key slot ``t`` is visible to query ``i`` iff ``kv_mask[b, t] and t <= q_slots[b, i]`` (left padding and
+        causality with a cache offset). Without FP8 attention the product runs through
+        :func:`jax.nn.dot_product_attention` (GQA natively, ``implementation=self.attention_implementation``):
+        XLA's implementation (the default, on CPU and GPU in JAX 0.10) computes ``QK^T`` with float32
+        accumulation, scales by ``1/sqrt(head_dim)`` (a multiply, where the einsum path divided by
+        ``sqrt(head_dim)``: at most 1 ulp apart in float32, identical for power-of-4 head dims), masks with
+        ``-0.7 * float32_max``, runs the softmax in float32, casts the probabilities to ``dtype`` and multiplies by
+        ``V`` in ``dtype``: the numerics of the einsum path it replaced. It still materialises the
+        ``[B, H, S, T]`` scores (no memory saving on CPU); ``"cudnn"`` would run flash attention on GPU. A query
+        row with no visible key (a padding row) gets a uniform average over all slots, as before; its output is
+        meaningless and masked downstream. The FP8-attention path (``q_scale``) keeps an explicit einsum because
+        ``QK^T`` runs on e4m3 values rescaled by ``q_scale * k_scale`` before the softmax; so does ``float16``
+        compute with the default implementation (XLA:CPU rejects the ``F16_F16_F32`` dot algorithm JAX's XLA
+        attention asks for; same numerics).
+
+        Raises:
+          ValueError: an e4m3 cache without ``k_scale``/``v_scale``.
         """
         b, s, _ = x.shape
-        q = self.q_proj(x).reshape(b, s, self.num_heads, self.head_dim)
-        k = self.k_proj(x).reshape(b, s, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).reshape(b, s, self.num_kv_heads, self.head_dim)
+        q = checkpoint_name(self.q_proj(x), QUERY_PROJ).reshape(b, s, self.num_heads, self.head_dim)
+        k = checkpoint_name(self.k_proj(x), KEY_PROJ).reshape(b, s, self.num_kv_heads, self.head_dim)
+        v = checkpoint_name(self.v_proj(x), VALUE_PROJ).reshape(b, s, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+        qkv_absmax = None
         if self.capture_qkv_absmax and cache_kv is None:
             amax = lambda a: jnp.max(jnp.abs(a.astype(jnp.float32)), axis=(-2, -1))  # noqa: E731  [B, S]
-            self.sow(nnx.Intermediate, "qkv_absmax", jax.lax.stop_gradient(jnp.stack([amax(q), amax(k), amax(v)])))
+            qkv_absmax = jax.lax.stop_gradient(jnp.stack([amax(q), amax(k), amax(v)]))
         new_kv = None
         qk_scale = None  # set when QK^T runs on e4m3 values (FP8 attention)
         if cache_kv is not None:
@@ -223,38 +213,25 @@ class Attention(nnx.Module):
                 k, v = ck.astype(self.dtype), cv.astype(self.dtype)
             new_kv = (ck, cv)
         t = k.shape[1]
-        g = self.num_heads // self.num_kv_heads
-        qg = q.reshape(b, s, self.num_kv_heads, g, self.head_dim)
-        scores = jnp.einsum("bskgd,btkd->bkgst", qg, k, preferred_element_type=jnp.float32)
-        if qk_scale is not None:
-            scores = scores * qk_scale
-        scores = scores / math.sqrt(self.head_dim)
         allowed = kv_mask[:, None, :] & (jnp.arange(t)[None, None, :] <= q_slots[:, :, None])  # [B, S, T]
-        scores = jnp.where(allowed[:, None, None], scores, -1e30)
-        probs = jax.nn.softmax(scores, axis=-1).astype(self.dtype)
-        out = jnp.einsum("bkgst,btkd->bskgd", probs, v).reshape(b, s, self.num_heads * self.head_dim)
-        return self.o_proj(out), new_kv
-
-
-class MLP(nnx.Module):
-    """SwiGLU: ``down_proj(silu(gate_proj(x)) * up_proj(x))``.
-
-    ``gate_proj``/``up_proj`` are ``[I, hidden]`` and ``down_proj`` ``[hidden, I]`` :class:`Linear` layers (dense
-    or FP8 blockwise), with ``I = intermediate_size`` (default ``cfg.intermediate_size``; a Qwen3-MoE expert
-    passes ``cfg.moe_intermediate_size``, giving the checkpoint names ``mlp.experts.{j}.{gate,up,down}_proj``).
-    """
-
-    def __init__(self, cfg: ModelConfig, *, intermediate_size: int | None = None, linear_precision: str,
-                 param_dtype, dtype, rngs: nnx.Rngs):
-        inter = cfg.intermediate_size if intermediate_size is None else intermediate_size
-        lin = dict(precision=linear_precision, param_dtype=param_dtype, dtype=dtype, rngs=rngs)
-        self.gate_proj = Linear(cfg.hidden_size, inter, **lin)
-        self.up_proj = Linear(cfg.hidden_size, inter, **lin)
-        self.down_proj = Linear(inter, cfg.hidden_size, **lin)
-
-    def __call__(self, x):
-        """``x [..., hidden] -> [..., hidden]``."""
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        # float16 stays on the einsum: JAX's XLA attention requests the F16_F16_F32 dot algorithm, which XLA:CPU
+        # rejects at compile time ("not supported by dot_general on CPU"); the numerics are the same.
+        fp16_xla = q.dtype == jnp.float16 and self.attention_implementation is None
+        if qk_scale is None and not fp16_xla:
+            out = jax.nn.dot_product_attention(q, k.astype(q.dtype), v.astype(q.dtype), mask=allowed[:, None],
+                                               implementation=self.attention_implementation)
+            out = out.reshape(b, s, self.num_heads * self.head_dim)
+        else:  # FP8 attention: QK^T on e4m3 values (held in float32), rescaled by q_scale * k_scale; or float16
+            g = self.num_heads // self.num_kv_heads
+            qg = q.reshape(b, s, self.num_kv_heads, g, self.head_dim)
+            scores = jnp.einsum("bskgd,btkd->bkgst", qg, k, preferred_element_type=jnp.float32)
+            if qk_scale is not None:
+                scores = scores * qk_scale
+            scores = scores / math.sqrt(self.head_dim)
+            scores = jnp.where(allowed[:, None, None], scores, -1e30)
+            probs = jax.nn.softmax(scores, axis=-1).astype(self.dtype)
+            out = jnp.einsum("bkgst,btkd->bskgd", probs, v).reshape(b, s, self.num_heads * self.head_dim)
+        return checkpoint_name(self.o_proj(out), OUT_PROJ), new_kv, qkv_absmax
 
 
 class DecoderLayer(nnx.Module):
@@ -271,8 +248,6 @@ class DecoderLayer(nnx.Module):
         self.self_attn = Attention(cfg, **kw)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, pd)
         if cfg.is_sparse_layer(layer_idx):
-            from fp8rl_jax.models.moe import SparseMoeBlock
-
             self.mlp = SparseMoeBlock(cfg, **kw)
         else:
             self.mlp = MLP(cfg, **kw)
@@ -282,14 +257,29 @@ class DecoderLayer(nnx.Module):
 
         ``replay_ids`` (int ``[B, S, k]``, ``-1`` = route normally) replays recorded experts in a sparse layer
         (R3, :meth:`fp8rl_jax.models.moe.SparseMoeBlock.forward`) and is ignored by a dense MLP; ``router_ids`` is
-        the sparse layer's own top-k (None for a dense MLP).
+        the sparse layer's own top-k (None for a dense MLP). Sows ``self_attn``'s q/k/v maxima when capture is on
+        (see :meth:`forward`).
         """
-        a, new_kv = self.self_attn(self.input_layernorm(x), positions, inv_freq, kv_mask, q_slots, cache_kv, cache_index)
+        x, new_kv, router_ids, amax = self.forward(x, positions, inv_freq, kv_mask, q_slots, cache_kv, cache_index,
+                                                   replay_ids)
+        if amax is not None:
+            self.self_attn.sow(nnx.Intermediate, "qkv_absmax", amax)
+        return x, new_kv, router_ids
+
+    def forward(self, x, positions, inv_freq, kv_mask, q_slots, cache_kv=None, cache_index=None, replay_ids=None):
+        """:meth:`__call__` without sowing: ``(x, new_kv or None, router_ids or None, qkv_absmax or None)``.
+
+        ``qkv_absmax`` is :meth:`Attention.forward`'s float32 ``[3, B, S]`` (None unless capture is on and there is
+        no cache). A pure function of the layer's state and inputs, so it can run under ``jax.checkpoint`` and as
+        a ``lax.scan`` body (:meth:`CausalLM.hidden_states`), where the caller sows the maxima on ``self_attn``.
+        """
+        a, new_kv, amax = self.self_attn.forward(self.input_layernorm(x), positions, inv_freq, kv_mask, q_slots,
+                                                 cache_kv, cache_index)
         x = x + a
         if isinstance(self.mlp, MLP):
-            return x + self.mlp(self.post_attention_layernorm(x)), new_kv, None
+            return x + self.mlp(self.post_attention_layernorm(x)), new_kv, None, amax
         y, router_ids = self.mlp.forward(self.post_attention_layernorm(x), replay_ids)
-        return x + y, new_kv, router_ids
+        return x + y, new_kv, router_ids, amax
 
 
 class Embedding(nnx.Module):
@@ -320,12 +310,27 @@ class CausalLM(nnx.Module):
       param_dtype: storage dtype of dense params (float32 for training masters, bfloat16 for rollout).
       dtype: activation/compute dtype (softmax and norms always run in float32).
       rngs: ``nnx.Rngs`` for random init (weights are normally loaded afterwards).
+      remat_policy: activation checkpointing of each decoder layer in the cache-less (training) forward, one of
+        :data:`fp8rl_jax.models.remat.REMAT_POLICIES` (``"none"``, ``"full"``, ``"dots_saveable"``, ...; maxtext
+        ``remat_policy``). Changes memory and compute, never results. The attribute may be reassigned later.
+      scan_layers: run the decoder layers of the cache-less forward as one ``jax.lax.scan`` over their stacked
+        states (maxtext ``scan_layers``): one compiled layer body instead of ``num_hidden_layers`` unrolled copies
+        (compile time and code size independent of depth). Parameters stay stored per layer under their HF names
+        (``model.layers.{i}.*``), so every name-based path is unchanged; the forward stacks them into
+        ``[num_layers, ...]`` arrays (a copy of the layer weights inside the compiled step, and the backward
+        pass un-stacks the gradients: see :meth:`hidden_states`). Layers whose structure differs (a Qwen3-MoE
+        dense + sparse mix) fall back to the Python loop. May be reassigned later.
+
+    Raises:
+      ValueError: an unknown ``remat_policy`` (naming it and the valid ones).
     """
 
     def __init__(self, cfg: ModelConfig, *, linear_precision: str = "dense", param_dtype=jnp.float32,
-                 dtype=jnp.float32, rngs: nnx.Rngs | None = None):
+                 dtype=jnp.float32, rngs: nnx.Rngs | None = None, remat_policy: str = "none",
+                 scan_layers: bool = False):
         rngs = rngs if rngs is not None else nnx.Rngs(0)
         self.config, self.dtype, self.linear_precision = cfg, dtype, linear_precision
+        self.remat_policy, self.scan_layers = validate_remat_policy(remat_policy), bool(scan_layers)
         kw = dict(linear_precision=linear_precision, param_dtype=param_dtype, dtype=dtype, rngs=rngs)
         self.model = DecoderModel(cfg, **kw)
         if not cfg.tie_word_embeddings:
@@ -360,8 +365,13 @@ class CausalLM(nnx.Module):
           ``(h [B, S, hidden] in dtype, new_cache or None)``, and with ``return_routing`` a third element: int32
           ``[B, S, num_layers, k]`` router top-k ids (``-1`` for dense layers), or None for a dense model.
 
+        Without a cache the layers run under :attr:`remat_policy` (``jax.checkpoint`` per layer) and, with
+        :attr:`scan_layers` and structurally identical layers, as a ``jax.lax.scan`` over their stacked states;
+        both give the plain loop's results (same ops, same order). With a cache (the rollout engine) the layers
+        always run as the plain loop.
+
         Raises:
-          ValueError: ``routed_experts`` of the wrong shape.
+          ValueError: ``routed_experts`` of the wrong shape; an unknown :attr:`remat_policy`.
         """
         b, s = input_ids.shape
         cfg = self.config
@@ -374,6 +384,17 @@ class CausalLM(nnx.Module):
         inv_freq = rope_inv_freq(cfg)
         q_slots = jnp.broadcast_to(jnp.asarray(cache_index, jnp.int32) + jnp.arange(s, dtype=jnp.int32), (b, s))
         x = self.model.embed_tokens(input_ids).astype(self.dtype)
+        policy = checkpoint_policy(self.remat_policy)
+        if cache is None and (policy is not None or self.scan_layers):
+            reps = routed_experts if moe else None
+            x, router_ids = self._cacheless_layers(x, positions, inv_freq, kv_mask, q_slots, reps, policy)
+            h = self.model.norm(x)
+            if return_routing:
+                if moe:
+                    fill = jnp.full((b, s, cfg.num_experts_per_tok), -1, jnp.int32)
+                    router_ids = jnp.stack([fill if r is None else r for r in router_ids], axis=2)
+                return h, None, (router_ids if moe else None)
+            return h, None
         new_k, new_v, routing = [], [], []
         for i, layer in enumerate(self.model.layers):
             ckv = cache.layer(i) if cache is not None else None
@@ -389,6 +410,73 @@ class CausalLM(nnx.Module):
         if return_routing:
             return h, new_cache, (jnp.stack(routing, axis=2) if moe else None)
         return h, new_cache
+
+    def _cacheless_layers(self, x, positions, inv_freq, kv_mask, q_slots, routed_experts, policy):
+        """The decoder layers without a cache, under ``jax.checkpoint(policy)`` and optionally ``lax.scan``.
+
+        Args:
+          x: ``[B, S, hidden]`` embeddings in ``dtype``; positions, inv_freq, kv_mask, q_slots: as the loop.
+          routed_experts: int ``[B, S, L, k]`` R3 record or None (only passed for a MoE model).
+          policy: a ``jax.checkpoint`` policy or None (no remat).
+
+        Returns:
+          ``(x [B, S, hidden], router_ids)``: ``router_ids`` a list of per-layer int32 ``[B, S, k]`` (or None for a
+          dense layer). Each layer's q/k/v maxima (capture on) are sown on its own ``self_attn`` here, outside the
+          checkpointed/scanned body, so ``qkv_absmax_from_intermediates`` finds them at the usual paths.
+
+        With :attr:`scan_layers`, the layers' parameters (``nnx.Param`` states) are stacked with ``jnp.stack``
+        into ``[L, ...]`` leaves inside the traced function and the scan body ``nnx.merge``s one slice; this costs
+        one stacked copy of the layer weights per forward (and the backward pass un-stacks their gradients).
+        Layers with a different graph structure (a dense + sparse MoE mix, or different per-layer
+        ``dot_general`` objects) keep the Python loop, each layer under ``nnx.remat(policy)``. Measured on XLA:CPU
+        (tests/test_remat_scan.py): remat inside the scan cuts the gradient's temp memory several-fold; in the
+        unrolled loop XLA schedules the recomputations freely and the saving is small.
+        """
+        layers = list(self.model.layers)
+        n = len(layers)
+
+        def run(layer, x, rep):
+            y, _, ids, amax = layer.forward(x, positions, inv_freq, kv_mask, q_slots, None, None, rep)
+            return y, ids, amax
+
+        scan = self.scan_layers and n > 1
+        if scan:
+            # Parameters are stacked and sliced; any other layer variable would be silently shared: scan only
+            # without one (none exists in this model's layers).
+            scan = not [v for layer in layers for _, v in nnx.iter_graph(layer)
+                        if isinstance(v, nnx.Variable) and not isinstance(v, (nnx.Param, nnx.Intermediate))]
+        if scan:
+            with _without_capture_bookkeeping(layers):
+                splits = [nnx.split(layer, nnx.Param, ...) for layer in layers]
+            scan = all(g == splits[0][0] for g, _, _ in splits[1:])
+        if scan:
+            graphdef, rest = splits[0][0], splits[0][2]
+            stacked = jax.tree.map(lambda *a: jnp.stack(a), *[p for _, p, _ in splits])
+            reps = None if routed_experts is None else jnp.moveaxis(routed_experts, 2, 0)  # [L, B, S, k]
+
+            def body(carry, xs):
+                params, rep = xs
+                y, ids, amax = run(nnx.merge(graphdef, params, rest), carry, rep)
+                return y, (ids, amax)
+
+            if policy is not None:
+                body = jax.checkpoint(body, policy=policy, prevent_cse=False)
+            x, (ids, amax) = jax.lax.scan(body, x, (stacked, reps))
+            router_ids = [None] * n if ids is None else [ids[i] for i in range(n)]
+            amaxes = [None] * n if amax is None else [amax[i] for i in range(n)]
+        else:
+            fn = run if policy is None else nnx.remat(run, policy=policy)
+            router_ids, amaxes = [], []
+            with _without_capture_bookkeeping(layers):
+                for i, layer in enumerate(layers):
+                    rep = None if routed_experts is None else routed_experts[:, :, i]
+                    x, ids, amax = fn(layer, x, rep)
+                    router_ids.append(ids)
+                    amaxes.append(amax)
+        for layer, amax in zip(layers, amaxes):
+            if amax is not None:
+                layer.self_attn.sow(nnx.Intermediate, "qkv_absmax", amax)
+        return x, router_ids
 
     def logits(self, h: jax.Array) -> jax.Array:
         """``lm_head`` (or tied embeddings) applied to hidden states: ``[..., hidden] -> [..., vocab]`` float32."""
@@ -410,6 +498,29 @@ class CausalLM(nnx.Module):
         h, new_cache = self.hidden_states(input_ids, positions, kv_mask, cache, cache_index)
         logits = self.logits(h)
         return (logits, new_cache) if cache is not None else logits
+
+
+@contextlib.contextmanager
+def _without_capture_bookkeeping(modules):
+    """Temporarily detach ``nnx.capture``'s per-module ``__captures__`` from ``modules`` and their submodules.
+
+    ``nnx.capture`` attaches a ``__captures__`` tuple of variables to every module; ``nnx.merge`` and
+    ``nnx.remat`` cannot sort those paths next to ``nnx.List`` indices (flax 0.12: ``TypeError: '<' not
+    supported between 'str' and 'int'`` / "Comparator raised exception while sorting pytree dictionary keys").
+    The checkpointed / scanned layer bodies never sow (their caller does, on the real modules, after this
+    context), so the layers are split without them; they are restored on exit.
+    """
+    saved = []
+    for m in modules:
+        for _, mod in nnx.iter_modules(m):
+            if "__captures__" in vars(mod):
+                saved.append((mod, vars(mod)["__captures__"]))
+                delattr(mod, "__captures__")
+    try:
+        yield
+    finally:
+        for mod, cap in saved:
+            mod.__captures__ = nnx.data(cap)
 
 
 def set_qkv_capture(model: nnx.Module, enabled: bool = True) -> None:

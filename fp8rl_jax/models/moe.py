@@ -12,8 +12,8 @@ Semantics follow ``transformers`` ``Qwen3MoeSparseMoeBlock`` / ``Qwen3MoeTopKRou
 Parameter layout. Parameters live at exactly the per-expert checkpoint names that HF checkpoints on disk and
 vLLM's loader use (``model.layers.{i}.mlp.experts.{j}.gate_proj.weight`` ``[moe_intermediate_size, hidden]``,
 ``up_proj`` the same, ``down_proj`` ``[hidden, moe_intermediate_size]``, router ``model.layers.{i}.mlp.gate.weight``
-``[num_experts, hidden]``), one :class:`~fp8rl_jax.models.decoder.Linear` per expert projection (each expert is a
-:class:`~fp8rl_jax.models.decoder.MLP` of size ``moe_intermediate_size``). vLLM's
+``[num_experts, hidden]``), one :class:`~fp8rl_jax.models.layers.Linear` per expert projection (each expert is a
+:class:`~fp8rl_jax.models.layers.MLP` of size ``moe_intermediate_size``). vLLM's
 ``RoutedExperts.build_expert_params_mapping`` maps ``experts.{j}.gate_proj.`` / ``up_proj.`` to the fused
 ``experts.w13_*`` shards ``w1`` / ``w3`` and ``experts.{j}.down_proj.`` to ``experts.w2_*`` (``w2``), for
 ``weight`` and (FP8 blockwise) ``weight_scale_inv`` alike. Keeping per-expert variables means every name-based
@@ -50,6 +50,7 @@ from flax import nnx
 
 from fp8rl_jax.fp8 import dequantize_weight_blockwise, fake_quantize_activation
 from fp8rl_jax.models.config import ModelConfig
+from fp8rl_jax.models.layers import MLP, Linear
 
 
 def route_top_k(router_logits: jax.Array, top_k: int, norm_topk_prob: bool) -> tuple[jax.Array, jax.Array]:
@@ -160,8 +161,6 @@ class SparseMoeBlock(nnx.Module):
     """
 
     def __init__(self, cfg: ModelConfig, *, linear_precision: str, param_dtype, dtype, rngs: nnx.Rngs):
-        from fp8rl_jax.models.decoder import MLP, Linear
-
         if cfg.num_experts <= 0 or cfg.num_experts_per_tok <= 0:
             raise ValueError(f"SparseMoeBlock needs num_experts > 0 and num_experts_per_tok > 0, got "
                              f"{cfg.num_experts} and {cfg.num_experts_per_tok} (model_type={cfg.model_type!r})")

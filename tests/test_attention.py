@@ -1,0 +1,194 @@
+"""Attention (``jax.nn.dot_product_attention`` path) against an independent float64 numpy formula.
+
+The reference recomputes the whole attention block in float64 from the module's own parameters: q/k/v
+projections (+ Qwen2 bias), Qwen3 per-head RMSNorm, rotate-half RoPE, GQA scores ``q.k / sqrt(d)`` with key slot
+``t`` visible to query slot ``i`` iff ``kv_mask[t] and t <= i``, float64 softmax, ``o_proj``. Cases: left padding
+without a cache, and a cache filled by a prefill then extended by a chunk at a cache offset (bf16/f32 cache and an
+e4m3 cache whose reference dequantizes with ``ml_dtypes``), in float32 and bfloat16 (float16 without a cache: it
+keeps the einsum path, see ``Attention.forward``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from flax import nnx
+
+from fp8rl_jax.models.config import ModelConfig
+from fp8rl_jax.models.decoder import Attention, positions_from_mask, rope_inv_freq
+
+
+def _cfg(family: str) -> ModelConfig:
+    return ModelConfig(model_type=family, vocab_size=64, hidden_size=48, intermediate_size=64, num_hidden_layers=1,
+                       num_attention_heads=6, num_key_value_heads=2, head_dim=16, rope_theta=10000.0,
+                       attention_bias=family == "qwen2", qk_norm=family == "qwen3")
+
+
+def _attn(cfg: ModelConfig, dtype, seed: int = 0) -> Attention:
+    """An Attention whose weights are large enough for peaked (non-uniform) softmax rows."""
+    m = Attention(cfg, linear_precision="dense", param_dtype=dtype, dtype=dtype, rngs=nnx.Rngs(seed))
+    rng = np.random.default_rng(seed)
+    for path, var in nnx.to_flat_state(nnx.state(m, nnx.Param)):
+        shape = var[...].shape
+        val = rng.normal(0, 0.35, shape) if path[-1] == "weight" and len(shape) == 2 else 1 + rng.normal(0, 0.2, shape)
+        if path[-1] == "bias":
+            val = rng.normal(0, 0.3, shape)
+        var[...] = jnp.asarray(val, dtype)
+    return m
+
+
+def _p(m: Attention) -> dict:
+    """The module's parameters as float64 numpy, keyed by dotted path."""
+    return {".".join(map(str, p)): np.asarray(v[...].astype(jnp.float32), np.float64)
+            for p, v in nnx.to_flat_state(nnx.state(m, nnx.Param))}
+
+
+def _rms(x, w, eps):
+    return w * x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)
+
+
+def _rope(x, pos, theta):
+    d = x.shape[-1]
+    inv = 1.0 / theta ** (np.arange(0, d, 2, dtype=np.float64) / d)
+    f = pos[..., None].astype(np.float64) * inv
+    emb = np.concatenate([f, f], -1)[:, :, None, :]
+    rot = np.concatenate([-x[..., d // 2:], x[..., :d // 2]], -1)
+    return x * np.cos(emb) + rot * np.sin(emb)
+
+
+def _qkv_ref(p, cfg, x, pos):
+    """float64 q [B,S,H,D], k, v [B,S,Hkv,D] after bias, QK-norm and RoPE."""
+    b, s, _ = x.shape
+    h, hk, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+
+    def lin(name, n):
+        y = x @ p[f"{name}.weight"].T
+        return (y + p[f"{name}.bias"] if f"{name}.bias" in p else y).reshape(b, s, n, d)
+
+    q, k, v = lin("q_proj", h), lin("k_proj", hk), lin("v_proj", hk)
+    if cfg.qk_norm:
+        q, k = _rms(q, p["q_norm.weight"], cfg.rms_norm_eps), _rms(k, p["k_norm.weight"], cfg.rms_norm_eps)
+    return _rope(q, pos, cfg.rope_theta), _rope(k, pos, cfg.rope_theta), v
+
+
+def _attend_ref(p, cfg, q, k, v, kv_mask, q_slots):
+    """float64 GQA attention: ``q [B,S,H,D]``, ``k, v [B,T,Hkv,D]``, ``kv_mask [B,T]``, ``q_slots [B,S]``."""
+    b, s, h, d = q.shape
+    t, g = k.shape[1], h // k.shape[2]
+    out = np.zeros((b, s, h, d))
+    for bi in range(b):
+        for hi in range(h):
+            sc = q[bi, :, hi] @ k[bi, :, hi // g].T / math.sqrt(d)            # [S, T]
+            allowed = kv_mask[bi][None, :] & (np.arange(t)[None, :] <= q_slots[bi][:, None])
+            sc = np.where(allowed, sc, -1e300)  # a fully masked row: uniform, like the module
+            pr = np.exp(sc - sc.max(-1, keepdims=True))
+            out[bi, :, hi] = (pr / pr.sum(-1, keepdims=True)) @ v[bi, :, hi // g]
+    return out.reshape(b, s, h * d) @ p["o_proj.weight"].T
+
+
+def _inputs(cfg, b, s, pads, dtype, seed=1):
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.normal(0, 1, (b, s, cfg.hidden_size)), dtype)
+    mask = np.ones((b, s), bool)
+    for i, n in enumerate(pads):
+        mask[i, :n] = False
+    return x, mask
+
+
+TOL = {jnp.float32: 2e-5, jnp.bfloat16: 4e-2, jnp.float16: 5e-3}
+
+
+def _close(got, ref, rows, dtype):
+    """Compare real query rows only (a fully masked padding row averages all slots and is masked downstream)."""
+    got = np.asarray(jnp.asarray(got, jnp.float32), np.float64)[rows]
+    ref = ref[rows]
+    err = np.max(np.abs(got - ref)) / np.max(np.abs(ref))
+    assert err < TOL[dtype], f"max relative error {err:.3g} >= {TOL[dtype]}"
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen2"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16], ids=["f32", "bf16", "f16"])
+def test_cacheless_left_padded_matches_float64(family, dtype):
+    cfg = _cfg(family)
+    m = _attn(cfg, dtype)
+    b, s = 3, 9
+    x, mask = _inputs(cfg, b, s, pads=(0, 3, 6), dtype=dtype)
+    pos = np.asarray(positions_from_mask(jnp.asarray(mask)))
+    q_slots = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+    out, kv = jax.jit(lambda x: m(x, jnp.asarray(pos), rope_inv_freq(cfg), jnp.asarray(mask), q_slots))(x)
+    assert kv is None and out.dtype == dtype and out.shape == (b, s, cfg.hidden_size)
+    p = _p(m)
+    q, k, v = _qkv_ref(p, cfg, np.asarray(x.astype(jnp.float32), np.float64), pos)
+    ref = _attend_ref(p, cfg, q, k, v, mask, np.asarray(q_slots))
+    _close(out, ref, mask, dtype)
+
+
+def _e4m3_roundtrip(x, scale):
+    return np.clip(x / scale, -448, 448).astype(ml_dtypes.float8_e4m3fn).astype(np.float64) * scale
+
+
+@pytest.mark.parametrize("cache", ["model", "e4m3"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_cache_offset_matches_float64(cache, dtype):
+    """Prefill P left-padded tokens into a T_max cache, then a C-token chunk at cache_index=P: the chunk's outputs
+    equal causal attention over the whole left-padded sequence (slots past P + C hold zeros and are masked)."""
+    cfg = _cfg("qwen3")
+    m = _attn(cfg, dtype, seed=2)
+    b, p_len, c_len, t_max = 2, 6, 3, 12
+    x, mask = _inputs(cfg, b, p_len + c_len, pads=(0, 4), dtype=dtype, seed=3)
+    pos = np.asarray(positions_from_mask(jnp.asarray(mask)))
+    kv_mask = np.zeros((b, t_max), bool)
+    kv_mask[:, :p_len + c_len] = mask
+    hk, d = cfg.num_key_value_heads, cfg.head_dim
+    if cache == "e4m3":
+        ks, vs = jnp.float32(0.02), jnp.float32(0.015)
+        zeros = jnp.zeros((b, t_max, hk, d), ml_dtypes.float8_e4m3fn)
+        ckv = (zeros, zeros, ks, vs)
+    else:
+        zeros = jnp.zeros((b, t_max, hk, d), dtype)
+        ckv = (zeros, zeros)
+    inv = rope_inv_freq(cfg)
+
+    @jax.jit
+    def step(xc, posc, ckv, idx):
+        sc = xc.shape[1]
+        q_slots = jnp.broadcast_to(idx + jnp.arange(sc, dtype=jnp.int32), (b, sc))
+        return m(xc, posc, inv, jnp.asarray(kv_mask), q_slots, ckv, idx)
+
+    _, (ck, cv) = step(x[:, :p_len], jnp.asarray(pos[:, :p_len]), ckv, jnp.int32(0))
+    out, _ = step(x[:, p_len:], jnp.asarray(pos[:, p_len:]), (ck, cv) + ckv[2:], jnp.int32(p_len))
+    pr = _p(m)
+    q, k, v = _qkv_ref(pr, cfg, np.asarray(x.astype(jnp.float32), np.float64), pos)
+    if cache == "e4m3":
+        # the cache stores e4m3(k / k_scale) of the model-dtype k; attention reads it back times the scale
+        kd = np.asarray(jnp.asarray(k, dtype).astype(jnp.float32), np.float64)
+        vd = np.asarray(jnp.asarray(v, dtype).astype(jnp.float32), np.float64)
+        k, v = _e4m3_roundtrip(kd, float(ks)), _e4m3_roundtrip(vd, float(vs))
+    pad = t_max - (p_len + c_len)
+    k = np.concatenate([k, np.zeros((b, pad, hk, d))], 1)
+    v = np.concatenate([v, np.zeros((b, pad, hk, d))], 1)
+    q_slots = np.broadcast_to(np.arange(p_len, p_len + c_len), (b, c_len))
+    ref = _attend_ref(pr, cfg, q[:, p_len:], k, v, kv_mask, q_slots)
+    _close(out, ref, mask[:, p_len:], dtype)
+
+
+def test_fully_masked_row_is_uniform_average():
+    """A padding query row (no visible key) averages V over all slots, as the einsum path with -1e30 did."""
+    cfg = _cfg("llama")
+    m = _attn(cfg, jnp.float32)
+    b, s = 1, 5
+    x, mask = _inputs(cfg, b, s, pads=(2,), dtype=jnp.float32)
+    pos = positions_from_mask(jnp.asarray(mask))
+    q_slots = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+    out, _ = m(x, pos, rope_inv_freq(cfg), jnp.asarray(mask), q_slots)
+    p = _p(m)
+    _, _, v = _qkv_ref(p, cfg, np.asarray(x, np.float64), np.asarray(pos))
+    g = cfg.num_attention_heads // cfg.num_key_value_heads
+    vbar = np.repeat(v[0].mean(0), g, axis=0).reshape(-1)  # every head's uniform average over all S slots
+    ref = vbar @ p["o_proj.weight"].T
+    np.testing.assert_allclose(np.asarray(out[0, 0], np.float64), ref, rtol=1e-5, atol=1e-5)
