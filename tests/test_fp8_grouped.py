@@ -87,3 +87,28 @@ def test_lowers_to_one_triton_launch_with_fp8_dot_and_masked_store():
     assert re.findall(r"tt\.dot .*: tensor<16x128xf8E4M3FN> \* tensor<128x128xf8E4M3FN> -> tensor<16x128xf32>",
                       ir_text)
     assert re.search(r"tt\.store .*, %\w+ : tensor<16x128x!tt\.ptr<", ir_text)  # a masked store (mask operand)
+
+
+@pytest.mark.parametrize("inter", [32, 128])  # 128: gate|up fused into one [E, 2I, K] launch
+def test_moe_block_with_the_grouped_kernel_matches_the_dequantized_ragged_dot(inter):
+    """A Qwen3-MoE layer with FP8 experts: the grouped-kernel path (interpret mode) equals the dequantized
+    ragged_dot path (same e4m3 values and scales, float32 accumulation; only the order of additions differs)."""
+    from fp8rl_jax.export import export_weights
+    from fp8rl_jax.models.decoder import named_params
+    from fp8rl_jax.models.loading import build_model
+    from fp8rl_jax.models.moe import SparseMoeBlock, tiny_qwen3_moe_config
+
+    cfg = tiny_qwen3_moe_config(256, hidden_size=128, num_hidden_layers=1, num_experts=4, num_experts_per_tok=2,
+                                moe_intermediate_size=inter)
+    params = export_weights(named_params(build_model(cfg, seed=1)), "fp8_blockwise").tensors
+    model = build_model(cfg, dict(params), linear_precision="fp8", param_dtype="float32", dtype="float32")
+    block = model.model.layers[0].mlp
+    assert isinstance(block, SparseMoeBlock)
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(2, 9, 128)).astype(np.float32))
+    block.fp8_expert_impl = "ragged_dot"
+    want, ids_a = block.forward(x)
+    block.fp8_expert_impl = "pallas"
+    got, ids_b = block.forward(x)
+    np.testing.assert_array_equal(np.asarray(ids_a), np.asarray(ids_b))
+    w, g = np.asarray(want, np.float64), np.asarray(got, np.float64)
+    assert np.linalg.norm(g - w) / np.linalg.norm(w) < 1e-5

@@ -175,6 +175,47 @@ class SparseMoeBlock(nnx.Module):
                                      rngs=rngs)
                                  for _ in range(cfg.num_experts)])
 
+    #: FP8 experts: ``"auto"`` (the grouped Pallas kernel on a CUDA GPU, dequantized ``ragged_dot`` elsewhere),
+    #: ``"pallas"`` (always the kernel; interpret mode off the GPU) or ``"ragged_dot"``.
+    fp8_expert_impl: str = "auto"
+
+    def _fp8_kernel(self) -> bool:
+        if self.precision != "fp8":
+            return False
+        impl = self.fp8_expert_impl
+        if impl not in ("auto", "pallas", "ragged_dot"):
+            raise ValueError(f"fp8_expert_impl must be 'auto', 'pallas' or 'ragged_dot', got {impl!r}")
+        if impl == "auto":
+            from fp8rl_jax.fp8.dot_general import default_impl
+
+            return default_impl() == "pallas"
+        return impl == "pallas"
+
+    def _fp8_grouped_experts(self, xs: jax.Array, group_sizes: jax.Array) -> jax.Array:
+        """Expert SwiGLU on rows grouped by expert with the grouped W8A8 kernel (e4m3 weights read as they are).
+
+        ``xs [T*k, hidden]`` sorted by expert, ``group_sizes [E]`` -> ``[T*k, hidden]`` in ``dtype``. gate and up
+        run as one fused ``[E, 2I, hidden]`` product when ``I`` is a multiple of 128 (vLLM's ``w13``), since their
+        128-row scale blocks then do not straddle the two.
+        """
+        from fp8rl_jax.fp8.pallas_grouped import grouped_w8a8_matmul
+
+        def stacked(proj):
+            return (jnp.stack([getattr(e, proj).weight[...] for e in self.experts]),
+                    jnp.stack([getattr(e, proj).weight_scale_inv[...] for e in self.experts]))
+
+        (qg, sg), (qu, su), (qd, sd) = stacked("gate_proj"), stacked("up_proj"), stacked("down_proj")
+        inter, bs = qg.shape[1], self.experts[0].gate_proj.block_size
+        if inter % bs == 0:
+            gu = grouped_w8a8_matmul(xs, group_sizes, jnp.concatenate([qg, qu], axis=1),
+                                     jnp.concatenate([sg, su], axis=1), block_size=bs, out_dtype=jnp.float32)
+            g, u = gu[:, :inter], gu[:, inter:]
+        else:
+            g = grouped_w8a8_matmul(xs, group_sizes, qg, sg, block_size=bs, out_dtype=jnp.float32)
+            u = grouped_w8a8_matmul(xs, group_sizes, qu, su, block_size=bs, out_dtype=jnp.float32)
+        h = jax.nn.silu(g.astype(self.dtype)) * u.astype(self.dtype)
+        return grouped_w8a8_matmul(h, group_sizes, qd, sd, block_size=bs, out_dtype=self.dtype)
+
     def router(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """``x [T, hidden]`` -> ``(router_logits [T, E] dtype, weights [T, k] float32, expert_ids [T, k] int32)``.
 
@@ -235,6 +276,11 @@ class SparseMoeBlock(nnx.Module):
         order = jnp.argsort(flat, stable=True)                  # group pairs by expert
         token = order // self.top_k                             # token of each sorted pair
         group_sizes = jnp.bincount(flat, length=self.num_experts).astype(jnp.int32)
+        if self._fp8_kernel():
+            y = self._fp8_grouped_experts(xt[token], group_sizes)
+            y = y * weights.reshape(-1)[order][:, None]
+            out = jnp.zeros((t, shape[-1]), self.dtype).at[token].add(y)
+            return out.reshape(shape), router_ids
         acc = jnp.float32 if self.precision == "fp8" else self.dtype
         wg = _stacked_kn([e.gate_proj for e in self.experts], self.dtype)
         wu = _stacked_kn([e.up_proj for e in self.experts], self.dtype)
