@@ -171,7 +171,8 @@ def test_fp16_overflow_skips_the_step_and_halves_the_scale(tiny_dir, batch):
 
     tr = _trainer(tiny_dir, "fp16", loss_scale_init=2.0**40, loss_scale_growth_interval=2)
     assert tr.model.dtype == jnp.float16
-    init = model_state(tr.model), optimizer_state(tr.optimizer)
+    # a snapshot, not references: the train step donates the model's and optimizer's buffers (deleted by it)
+    init = jax.tree.map(jnp.copy, (model_state(tr.model), optimizer_state(tr.optimizer)))
     before = {k: np.asarray(v[...]) for k, v in nnx.to_flat_state(nnx.state(tr.model, nnx.Param))}
     m, _ = tr._train_step(tr.model, tr.optimizer, batch, True)
     assert float(m["actor/skipped_step"]) == 1.0 and float(m["actor/loss_scale"]) == 2.0**40

@@ -41,8 +41,19 @@ def _ocp():
 
 
 def _abstract(tree: Any) -> Any:
-    """Shape/dtype skeleton of a pytree of arrays (the restore target)."""
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), getattr(x, "dtype", np.asarray(x).dtype)), tree)
+    """Shape/dtype(/sharding) skeleton of a pytree of arrays (the restore target).
+
+    A ``jax.Array`` leaf keeps its sharding, so orbax restores each array straight into that sharding (each device
+    reads only its own slices), whatever mesh the checkpoint was saved from: a checkpoint written on 8 devices
+    restores onto a 4-device mesh (orbax "restoring with a different sharding"; tests/test_mesh.py). Host (numpy)
+    leaves come back as saved.
+    """
+    def one(x):
+        dtype = getattr(x, "dtype", None) or np.asarray(x).dtype
+        sharding = x.sharding if isinstance(x, jax.Array) else None
+        return jax.ShapeDtypeStruct(np.shape(x), dtype, sharding=sharding)
+
+    return jax.tree.map(one, tree)
 
 
 class CheckpointStore:

@@ -7,6 +7,7 @@ Every knob a user turns is a field with a default; gin binds them as ``train.num
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import gin
 
@@ -107,6 +108,18 @@ class TrainConfig:
         trainer's router over that set (so the router still learns); positions without a record are routed
         normally. Changes nothing for a dense model. With an MoE model and an engine that returns no routing
         the first step raises RuntimeError. ``rollout_corr/routing_mismatch`` is logged for MoE models either way.
+      mesh: the trainer's device mesh (:mod:`fp8rl_jax.parallel`): ``"fsdp=4,tensor=2"``, a dict
+        ``{"fsdp": 8}``, a :class:`fp8rl_jax.parallel.MeshConfig` or a ``jax.sharding.Mesh``; None (default) = the
+        gin-bound ``mesh.shape`` (``MeshConfig``), whose default None means one device (the CPU quickstart's path,
+        unchanged). Parameters are sharded at load by the rules of :mod:`fp8rl_jax.parallel.rules`, the optimizer
+        state like its parameters, the batch over ``data``/``fsdp``/``expert``; the update donates its buffers.
+        The rollout engine is not sharded by this setting.
+      micro_batch_size: gradient accumulation: rows per forward/backward inside one optimizer update (maxtext
+        ``gradient_accumulation_steps``, tunix ``train_micro_batch_size``); must divide the minibatch
+        (``prompts_per_step * samples_per_prompt / num_minibatches``). The loss is normalized by the whole
+        minibatch's token (or sequence) count, so the update equals the un-accumulated one
+        (:mod:`fp8rl_jax.trainer.train_step`); settings it cannot make exact (``rollout_is_batch_normalize``, custom
+        transforms) are refused when the trainer is built. None (default) = the whole minibatch at once.
     """
 
     output_dir: str = "runs/default"
@@ -171,6 +184,8 @@ class TrainConfig:
     max_k3_kl: float | None = None
     max_prompt_length: int = 512
     routing_replay: bool = False
+    mesh: Any = None
+    micro_batch_size: int | None = None
 
     @property
     def response_budget(self) -> int:
@@ -220,6 +235,16 @@ class TrainConfig:
         if (self.prompts_per_step * self.samples_per_prompt) % self.num_minibatches:
             raise ValueError(f"prompts_per_step*samples_per_prompt={self.prompts_per_step * self.samples_per_prompt}"
                              f" is not divisible by num_minibatches={self.num_minibatches}")
+        self._int_at_least("micro_batch_size", 1, allow_none=True)
+        minibatch = self.prompts_per_step * self.samples_per_prompt // self.num_minibatches
+        if self.micro_batch_size is not None and minibatch % self.micro_batch_size:
+            raise ValueError(f"train.micro_batch_size={self.micro_batch_size} does not divide the minibatch of "
+                             f"{minibatch} rows (prompts_per_step*samples_per_prompt/num_minibatches)")
+        if self.mesh is not None:
+            from fp8rl_jax.parallel.mesh import parse_mesh_shape
+
+            if isinstance(self.mesh, (str, dict)):
+                parse_mesh_shape(self.mesh)  # a typo in an axis name fails here, before any work
         if self.learning_rate <= 0:
             raise ValueError(f"train.learning_rate must be > 0, got {self.learning_rate}")
         self._check_dapo_and_eval()

@@ -32,6 +32,8 @@ from fp8rl_jax.fp8.kv_cache import (KV_SCALE_CALIBRATIONS, KVScales, calibrate_k
                                     normalize_kv_cache_dtype)
 from fp8rl_jax.models.decoder import named_params, positions_from_mask, qkv_absmax_from_intermediates, set_qkv_capture
 from fp8rl_jax.models.loading import build_model, load_checkpoint, load_tokenizer_for
+from fp8rl_jax.parallel.loading import build_sharded_model, shard_optimizer
+from fp8rl_jax.parallel.mesh import MeshConfig, format_mesh_shape, mesh_from, mesh_shape_of
 from fp8rl_jax.rollout import verify
 from fp8rl_jax.rollout.engine import ENGINE_PRECISIONS, JaxRolloutEngine
 from fp8rl_jax.rollout.types import RolloutEngine, SamplingParams
@@ -39,11 +41,10 @@ from fp8rl_jax.trainer.checkpoint import (CheckpointStore, load_model_state, loa
                                           optimizer_state)
 from fp8rl_jax.trainer import dapo
 from fp8rl_jax.trainer.config import TrainConfig
-from fp8rl_jax.trainer.precision import (LossScaleConfig, LossScaleState, adjust_loss_scale, all_finite,
-                                         apply_train_precision, compute_dtype, init_loss_scale, unscale,
-                                         wrap_optimizer)
-from fp8rl_jax.objectives.metrics import routing_mismatch
-from fp8rl_jax.trainer.logprobs import left_pad, response_logprobs, response_logprobs_and_routing, sequence_routing
+from fp8rl_jax.trainer.precision import (LossScaleConfig, LossScaleState, apply_train_precision, compute_dtype,
+                                         init_loss_scale, wrap_optimizer)
+from fp8rl_jax.trainer.logprobs import left_pad, response_logprobs, sequence_routing
+from fp8rl_jax.trainer.train_step import CompiledTrainStep, StepOptions, check_micro_batching
 from fp8rl_jax.trainer.validation import prepare_run_dir
 
 _ADVANTAGES = {"grpo": objectives.grpo_advantages, "drgrpo": objectives.drgrpo_advantages,
@@ -78,12 +79,26 @@ class RLTrainer:
         self.cfg = config
         self.loss_config = loss_config if loss_config is not None else objectives.LossConfig()
         self.reward_fn = get_reward_fn(config.reward)
+        minibatch = config.prompts_per_step * config.samples_per_prompt // config.num_minibatches
+        if config.micro_batch_size is not None and config.micro_batch_size < minibatch:
+            check_micro_batching(self.loss_config)  # before any work: a loss setting it cannot make exact
+        # the device mesh (train.mesh, else gin mesh.shape); None = one device, the quickstart's path
+        self.mesh = mesh_from(config.mesh if config.mesh is not None else MeshConfig())
         model_cfg, params = load_checkpoint(config.model)
         self.model_config = model_cfg
         self.tokenizer = load_tokenizer_for(config.model)
         # float32 masters (optax updates these); forward/backward in the training precision's compute dtype
-        self.model = build_model(model_cfg, params, param_dtype=config.train_dtype,
-                                 dtype=compute_dtype(config.train_precision))
+        self.sharding_plan = None
+        if self.mesh is None:
+            self.model = build_model(model_cfg, params, param_dtype=config.train_dtype,
+                                     dtype=compute_dtype(config.train_precision))
+        else:  # host arrays go straight to their shards: no device holds a full copy (fp8rl_jax.parallel.loading)
+            self.model, self.sharding_plan = build_sharded_model(model_cfg, params, self.mesh,
+                                                                 param_dtype=config.train_dtype,
+                                                                 dtype=compute_dtype(config.train_precision))
+            if self.sharding_plan.fallbacks or self.sharding_plan.unmatched:
+                print(f"mesh {format_mesh_shape(mesh_shape_of(self.mesh))}: replicated where not divisible:\n"
+                      f"{self.sharding_plan.summary()}", flush=True)
         del params
         apply_train_precision(self.model, config.train_precision, fp8_grad=config.fp8_train_grad)
         self.optimizer = nnx.Optimizer(self.model, wrap_optimizer(make_optimizer(config), config.train_precision),
@@ -95,6 +110,8 @@ class RLTrainer:
             ls = init_loss_scale(self.loss_scale_config)
             self.optimizer.loss_scale = LossScaleState(ls["scale"])
             self.optimizer.loss_scale_good_steps = LossScaleState(ls["good_steps"])
+        if self.mesh is not None:  # AdamW moments sharded like their params, counters replicated
+            shard_optimizer(self.optimizer, self.model, self.mesh)
         self._checkpoint_hooks: dict[str, tuple[Any, Any]] = {}
         self.dataset = dataset if dataset is not None else make_train_dataset(config.task, config.seed)
         self.batches = self.dataset.iterate_batches(config.prompts_per_step, seed=config.seed)
@@ -302,8 +319,11 @@ class RLTrainer:
         reader = getattr(self, "_export_reader", None)
         if reader is None or reader.model is not self.model:
             reader = self._export_reader = ModelParamsReader(self.model)
-        return export_weights(reader(), self.export_format, version=self.step_count, kv_scales=kv,
-                              kv_scales_version=self.kv_scales_version if kv is not None else None)
+        w = export_weights(reader(), self.export_format, version=self.step_count, kv_scales=kv,
+                           kv_scales_version=self.kv_scales_version if kv is not None else None)
+        if self.mesh is not None:  # the rollout engine is not sharded (yet): it gets whole tensors on one device
+            w.tensors = jax.device_put(w.tensors, self.mesh.devices.flat[0])
+        return w
 
     # -- FP8 KV cache: per-step q/k/v scale recalibration (docs/KV_CACHE.md) ---------------------------------
     def _init_kv_cache(self) -> None:
@@ -384,62 +404,25 @@ class RLTrainer:
         return out
 
     def _build_train_step(self):
-        loss_config, temperature = self.loss_config, self.cfg.temperature
-        ls_cfg = self.loss_scale_config  # fp16 only: dynamic loss scaling with overflow-skip
-        # fp8 KV cache: the training forward also yields per-sequence max |q|,|k|,|v| for scale calibration
-        capture, n_layers = self.kv_cache_dtype == "fp8_e4m3", self.model_config.num_hidden_layers
-        # R3 (arXiv 2510.11370): batch["rollout_routing"] [rows, P + T, L, k] (MoE models with a routing record)
-        # is replayed when train.routing_replay, and always compared with the trainer's own routing (metric)
-        replay, moe_layers = self.cfg.routing_replay, self.moe_layers
+        """The compiled update (:class:`fp8rl_jax.trainer.train_step.CompiledTrainStep`): model and optimizer buffers
+        donated, on :attr:`mesh` when there is one, gradients accumulated over ``train.micro_batch_size`` rows.
 
-        def train_step(model, optimizer, batch, on_policy: bool):
-            ls = ({"scale": optimizer.loss_scale[...], "good_steps": optimizer.loss_scale_good_steps[...]}
-                  if ls_cfg is not None else None)
-
-            # on_policy: one update per step, so the policy at the update IS the old policy and
-            # old_logprobs = stop_gradient(logprobs) exactly; this saves the separate recompute forward.
-            def loss_fn(model):
-                args = (batch["prompt_ids"], batch["prompt_mask"], batch["response_ids"], temperature,
-                        batch.get("rollout_routing") if replay else None)
-                qkv = None
-                if capture:
-                    (lp, router_ids), inter = nnx.capture(response_logprobs_and_routing, nnx.Intermediate)(model,
-                                                                                                           *args)
-                    real = jnp.concatenate([batch["prompt_mask"], batch["response_mask"] > 0], axis=1)
-                    qkv = masked_row_absmax(qkv_absmax_from_intermediates(inter, n_layers), real)
-                else:
-                    lp, router_ids = response_logprobs_and_routing(model, *args)
-                old = jax.lax.stop_gradient(lp) if on_policy else batch["old_logprobs"]
-                loss, metrics = objectives.compute_policy_loss(lp, old, batch["rollout_logprobs"],
-                                                               batch["advantages"], batch["response_mask"],
-                                                               loss_config)
-                if router_ids is not None and "rollout_routing" in batch:  # MoE: share of differing top-k sets
-                    p = batch["prompt_ids"].shape[1]
-                    metrics = dict(metrics)
-                    metrics["rollout_corr/routing_mismatch"] = routing_mismatch(
-                        router_ids[:, p:], batch["rollout_routing"][:, p:], batch["response_mask"], moe_layers)
-                return (loss * ls["scale"] if ls is not None else loss), (metrics, old, loss, qkv)
-
-            (_, (metrics, old, loss, qkv)), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model)
-            if ls is not None:  # unscale; optax.apply_if_finite skips a non-finite update; adjust the scale
-                grads = unscale(grads, ls)
-                finite = all_finite(grads)
-                new_ls = adjust_loss_scale(ls, finite, ls_cfg)
-                optimizer.loss_scale[...] = new_ls["scale"]
-                optimizer.loss_scale_good_steps[...] = new_ls["good_steps"]
-            optimizer.update(model, grads)
-            metrics = dict(metrics)
-            if ls is not None:
-                metrics["actor/loss_scale"] = ls["scale"]
-                metrics["actor/skipped_step"] = 1.0 - finite.astype(jnp.float32)
-            metrics["actor/loss"] = loss
-            metrics["actor/grad_norm"] = optax.global_norm(grads)
-            return metrics, old, qkv
-
-        jitted = nnx.jit(train_step, static_argnames="on_policy")
+        Returns ``run(model, optimizer, batch, on_policy) -> (metrics, old_logprobs)``; with an FP8 KV cache the
+        step's per-row q/k/v maxima are appended to ``_kv_row_amax`` (export() turns them into kv scales).
+        """
+        cfg = self.cfg
+        opts = StepOptions(
+            loss_config=self.loss_config, temperature=cfg.temperature, micro_batch_size=cfg.micro_batch_size,
+            # fp8 KV cache: the training forward also yields per-sequence max |q|,|k|,|v| for scale calibration
+            capture_qkv=self.kv_cache_dtype == "fp8_e4m3", num_layers=self.model_config.num_hidden_layers,
+            # R3 (arXiv 2510.11370): batch["rollout_routing"] [rows, P + T, L, k] (MoE models with a routing record)
+            # is replayed when train.routing_replay, and always compared with the trainer's own routing (metric)
+            routing_replay=cfg.routing_replay, moe_layers=self.moe_layers,
+            loss_scale_config=self.loss_scale_config)  # fp16 only: dynamic loss scaling with overflow-skip
+        compiled = CompiledTrainStep(opts, mesh=self.mesh, donate=True)
 
         def run(model, optimizer, batch, on_policy: bool):
-            metrics, old, qkv = jitted(model, optimizer, batch, on_policy)
+            metrics, old, qkv = compiled(model, optimizer, batch, on_policy)
             if qkv is not None:  # [L, 3, rows]; export() turns the step's maxima into kv scales
                 self._kv_row_amax.append(qkv)
             return metrics, old
