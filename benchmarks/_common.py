@@ -6,16 +6,7 @@ import os
 import platform
 from typing import Iterator
 
-#: HF config values of the Qwen3 models the benchmarks use at real shape with random weights.
-QWEN3 = {
-    "0.6b": dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
-                 num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True),
-    "8b": dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
-               num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=False),
-    "30b-a3b": dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,
-                    num_attention_heads=32, num_key_value_heads=4, head_dim=128, tie_word_embeddings=False,
-                    model_type="qwen3_moe", num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768),
-}
+from fp8rl_jax.models.presets import QWEN3, qwen3_config  # noqa: F401 (re-exported for the benchmarks)
 
 
 def cpu_model() -> str:
@@ -33,18 +24,6 @@ def cpu_model() -> str:
 def cpu_description() -> str:
     """``"<cpu model>, <n> cores"`` for result files."""
     return f"{cpu_model()}, {os.cpu_count()} cores"
-
-
-def qwen3_config(size: str):
-    """:class:`fp8rl_jax.models.config.ModelConfig` of a Qwen3-shaped model (a key of ``QWEN3``).
-
-    Raises:
-      KeyError: unknown size.
-    """
-    from fp8rl_jax.models.config import ModelConfig
-
-    kw = dict(QWEN3[size])
-    return ModelConfig(model_type=kw.pop("model_type", "qwen3"), eos_token_id=1, pad_token_id=0, **kw)
 
 
 def random_param_groups(cfg, seed: int = 0) -> Iterator[dict]:

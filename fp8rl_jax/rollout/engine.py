@@ -92,6 +92,10 @@ class JaxRolloutEngine:
       max_model_len: tokens per request for the concurrency report (default: ``max_position_embeddings``).
       kv_block_size: tokens per cache page for the byte budget (vLLM default 16).
       log_kv_cache: print the cache-capacity line at start (as vLLM logs "GPU KV cache size").
+      mesh: optional ``jax.sharding.Mesh`` (:mod:`fp8rl_jax.parallel.mesh`) to serve on: weights sharded by the
+        rules of :mod:`fp8rl_jax.parallel.rules` (attention heads, MLP and vocab over ``tensor``, ``embed`` over
+        ``fsdp``), prompts split over ``data`` when it divides the batch; the KV cache follows the k/v projections
+        (sharded by KV head). Greedy decoding equals the one-device engine's token for token (tested, float32).
 
     Raises:
       ValueError: unknown precision or kv_cache_dtype, weights in the wrong format, ``fp8_attention`` without an
@@ -103,7 +107,7 @@ class JaxRolloutEngine:
                  prompt_bucket: int = 16, seed: int = 0, kv_cache_dtype: str = "auto",
                  kv_cache_memory_bytes: int | None = None, fp8_attention: bool = False,
                  max_model_len: int | None = None, kv_block_size: int = DEFAULT_BLOCK_SIZE,
-                 log_kv_cache: bool = True):
+                 log_kv_cache: bool = True, mesh=None):
         if precision not in ENGINE_PRECISIONS:
             raise ValueError(f"unknown rollout precision {precision!r}; expected one of {sorted(ENGINE_PRECISIONS)}")
         self.config, self.precision = config, precision
@@ -116,7 +120,12 @@ class JaxRolloutEngine:
         params = {k: v for k, v in weights.tensors.items() if not is_kv_scale_name(k)}
         self.model = build_model(config, params, linear_precision=linear, param_dtype=dtype, dtype=dtype)
         self.cache_dtype = kv_cache_storage_dtype(self.kv_cache_dtype, dtype)
-        self.graphdef, self.state = nnx.split(self.model)
+        # tensor-parallel serving (issue 19): weights placed on ``mesh`` by the rules of fp8rl_jax.parallel.rules
+        # (heads / MLP / vocab over ``tensor``), the batch over ``data``; XLA's sharding propagation places the KV
+        # cache (written from the head-sharded k/v projections: sharded by KV head) and the activations
+        self.mesh = mesh
+        self.sharding_plan = None
+        self._place_on_mesh()
         self._names = {param_name(p): v for p, v in nnx.to_flat_state(nnx.state(self.model, nnx.Param))}
         self.weights_version = weights.version
         self.kv_scales: KVScales | None = None
@@ -138,6 +147,22 @@ class JaxRolloutEngine:
         self.last_sync_s = 0.0
         # R3 (arXiv 2510.11370): an MoE engine records every fed token's top-k experts per layer in generate()
         self.records_routing = self.model.is_moe
+
+    def _place_on_mesh(self) -> None:
+        """Shard the weights over :attr:`mesh` (if any), then refresh the split state the programs take."""
+        if self.mesh is not None:
+            from fp8rl_jax.parallel.loading import shard_model
+
+            self.sharding_plan = shard_model(self.model, self.mesh)
+        self.graphdef, self.state = nnx.split(self.model)
+
+    def _batch_input(self, x: np.ndarray) -> jax.Array:
+        """A host batch as a device array: split over the mesh's ``data`` axis when it divides the rows."""
+        if self.mesh is None or self.mesh.shape.get("data", 1) == 1 or x.shape[0] % self.mesh.shape["data"]:
+            return jnp.asarray(x)
+        from jax.sharding import NamedSharding, PartitionSpec
+
+        return jax.device_put(x, NamedSharding(self.mesh, PartitionSpec("data")))
 
     def _check_format(self, weights: ExportedWeights) -> None:
         if weights.format != self.weight_format:
@@ -210,7 +235,7 @@ class JaxRolloutEngine:
             if jnp.dtype(new.dtype) != old.dtype:
                 new = jnp.asarray(new, old.dtype)
             var[...] = new
-        self.graphdef, self.state = nnx.split(self.model)
+        self._place_on_mesh()
         self.weights_version = weights.version
         self.last_sync_s = time.perf_counter() - t0
 
@@ -270,7 +295,8 @@ class JaxRolloutEngine:
             else:
                 ckey = key
             outs.append(_generate(
-                self.graphdef, self.state, jnp.asarray(ids[c0:c0 + chunk]), jnp.asarray(mask[c0:c0 + chunk]), ckey,
+                self.graphdef, self.state, self._batch_input(ids[c0:c0 + chunk]),
+                self._batch_input(mask[c0:c0 + chunk]), ckey,
                 jnp.float32(max(sp.temperature, 1e-6)), jnp.int32(max(sp.top_k, 1)), jnp.float32(sp.top_p),
                 jnp.asarray(stop_arr), *scales, n=sp.n, max_tokens=sp.max_tokens, greedy=greedy,
                 use_top_k=use_top_k, use_top_p=use_top_p, pad_token_id=self.pad_token_id,
