@@ -12,6 +12,7 @@ the gin/script entry point.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -41,6 +42,7 @@ from fp8rl_jax.trainer.checkpoint import (CheckpointStore, load_model_state, loa
                                           optimizer_state)
 from fp8rl_jax.trainer import dapo
 from fp8rl_jax.trainer.config import TrainConfig
+from fp8rl_jax.trainer.distributed import to_host
 from fp8rl_jax.trainer.precision import (LossScaleConfig, LossScaleState, apply_train_precision, compute_dtype,
                                          init_loss_scale, wrap_optimizer)
 from fp8rl_jax.trainer.logprobs import left_pad, response_logprobs, sequence_routing
@@ -321,7 +323,14 @@ class RLTrainer:
             reader = self._export_reader = ModelParamsReader(self.model)
         w = export_weights(reader(), self.export_format, version=self.step_count, kv_scales=kv,
                            kv_scales_version=self.kv_scales_version if kv is not None else None)
-        if self.mesh is not None:  # the rollout engine is not sharded (yet): it gets whole tensors on one device
+        if self.mesh is not None and jax.process_count() > 1:
+            # multi-process: gather each tensor (replicated over the mesh, one collective program), then hand this
+            # process's engine its local copy
+            from jax.sharding import NamedSharding, PartitionSpec
+
+            full = _replicate(w.tensors, NamedSharding(self.mesh, PartitionSpec()))
+            w.tensors = {k: v.addressable_data(0) for k, v in full.items()}
+        elif self.mesh is not None:  # the rollout engine is not sharded (yet): it gets whole tensors on one device
             w.tensors = jax.device_put(w.tensors, self.mesh.devices.flat[0])
         return w
 
@@ -540,7 +549,9 @@ class RLTrainer:
                 if on_policy:
                     batch["old_logprobs"] = old
                 train_metrics.append(m)
-        train_metrics = [{k: float(v) for k, v in m.items()} for m in train_metrics]
+        train_metrics = [{k: float(to_host(v)) for k, v in m.items()} for m in train_metrics]
+        if jax.process_count() > 1:  # sharded over processes: the whole [rows, T] on every host
+            batch["old_logprobs"] = to_host(batch["old_logprobs"])
         t_train = time.perf_counter() - t0
         corr = objectives.rollout_corr_metrics(batch["old_logprobs"], batch["rollout_logprobs"], batch["response_mask"])
         self.check_mismatch({k: float(v) for k, v in corr.items()})
@@ -603,6 +614,16 @@ def qkv_row_absmax(model, ids, mask):
     return masked_row_absmax(qkv_absmax_from_intermediates(inter, model.config.num_hidden_layers), mask)
 
 
+@functools.partial(jax.jit, static_argnames="sharding")
+def _replicate_jit(tree, sharding):
+    return jax.lax.with_sharding_constraint(tree, jax.tree.map(lambda _: sharding, tree))
+
+
+def _replicate(tree, sharding):
+    """``tree`` with every array replicated over ``sharding``'s mesh (an all-gather where sharded)."""
+    return _replicate_jit(tree, sharding)
+
+
 def train(config: TrainConfig | None = None, *, trainer: RLTrainer | None = None,
           **overrides) -> list[dict[str, float]]:
     """Run a whole training job with checkpoints, resume and logging.
@@ -634,21 +655,27 @@ def train(config: TrainConfig | None = None, *, trainer: RLTrainer | None = None
     """
     import dataclasses
 
+    from fp8rl_jax.trainer.distributed import barrier, is_primary
     from fp8rl_jax.trainer.host_memory import memory_metrics, release_host_memory
     from fp8rl_jax.trainer.logging import RunLogger, plot_metrics
 
     cfg = config or TrainConfig()
     if overrides:
         cfg = dataclasses.replace(cfg, **overrides)
-    prepare_run_dir(cfg.output_dir, cfg.resume, cfg.overwrite)  # before any work: never clobber an earlier run
-    os.makedirs(cfg.output_dir, exist_ok=True)
-    try:
-        import gin
+    # multi-process (fp8rl_jax.trainer.distributed): process 0 owns the run directory's files; every process
+    # trains (SPMD) and takes part in checkpoint saves
+    primary = is_primary()
+    if primary:
+        prepare_run_dir(cfg.output_dir, cfg.resume, cfg.overwrite)  # before any work: never clobber an earlier run
+        os.makedirs(cfg.output_dir, exist_ok=True)
+        try:
+            import gin
 
-        with open(os.path.join(cfg.output_dir, "config.gin"), "w") as f:
-            f.write(gin.config_str())
-    except Exception:  # gin not parsed (notebook use): nothing to record
-        pass
+            with open(os.path.join(cfg.output_dir, "config.gin"), "w") as f:
+                f.write(gin.config_str())
+        except Exception:  # gin not parsed (notebook use): nothing to record
+            pass
+    barrier("fp8rl run directory ready")
     t0 = time.perf_counter()
     trainer = trainer if trainer is not None else RLTrainer(cfg)
     store = None
@@ -661,9 +688,9 @@ def train(config: TrainConfig | None = None, *, trainer: RLTrainer | None = None
         resume_step = trainer.restore_checkpoint(store)
         print(f"resumed from {ckpt_dir}/{resume_step}", flush=True)
     setup_s = time.perf_counter() - t0
-    logger = RunLogger(cfg.output_dir, resume_step=resume_step)
+    logger = RunLogger(cfg.output_dir, resume_step=resume_step) if primary else _HistoryOnly()
     bar = None
-    if cfg.progress_bar:
+    if cfg.progress_bar and primary:
         from tqdm.auto import tqdm
 
         bar = tqdm(total=cfg.num_steps, initial=trainer.step_count,
@@ -710,9 +737,24 @@ def train(config: TrainConfig | None = None, *, trainer: RLTrainer | None = None
     }
     if cfg.train_precision == "fp16":
         summary["actor/skipped_steps"] = float(np.sum([m.get("actor/skipped_step", 0.0) for m in history]))
+    if not primary:
+        return history
     with open(os.path.join(cfg.output_dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
     if cfg.plots and history:
         plot_metrics(history, os.path.join(cfg.output_dir, "plots"), title=os.path.basename(cfg.output_dir))
     print(json.dumps(summary, indent=2))
     return history
+
+
+class _HistoryOnly:
+    """The metrics logger of a non-primary process in a multi-process run: keeps the history, writes nothing."""
+
+    def __init__(self):
+        self.history: list[dict[str, Any]] = []
+
+    def log(self, metrics: dict[str, Any]) -> None:
+        self.history.append(dict(metrics))
+
+    def close(self) -> None:
+        pass
