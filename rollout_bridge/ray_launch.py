@@ -354,6 +354,21 @@ class RayJob:
         remove_placement_group(self.placement_group)
 
 
+def _ensure_ray(address: str | None, ray_init_kwargs: dict | None, env_keys: tuple) -> None:
+    """``ray.init`` once (a local cluster gets its token-auth secret in its temp dir), passing ``env_keys`` of this
+    process's environment to the workers."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    kw = dict(ray_init_kwargs or {})
+    if address is None:
+        local_auth_token(kw.get("_temp_dir") or os.path.join("/tmp", "ray"))
+    env = {k: os.environ[k] for k in env_keys if k in os.environ}
+    kw.setdefault("runtime_env", {"env_vars": env})
+    ray.init(address=address, **kw)
+
+
 def start(config, *, num_rollout_actors: int = 1, rollout_engine: str = "jax", transport: str = "shm",
           address: str | None = None, cpus_per_actor: float = 1, gpus_per_actor: float = 0,
           engine_kwargs: dict | None = None, weight_target: str | None = None, ray_init_kwargs: dict | None = None,
@@ -394,13 +409,7 @@ def start(config, *, num_rollout_actors: int = 1, rollout_engine: str = "jax", t
         raise ValueError(f"unknown transport {transport!r}; expected one of {RAY_TRANSPORTS}")
     if num_rollout_actors < 1:
         raise ValueError(f"num_rollout_actors must be >= 1, got {num_rollout_actors}")
-    if not ray.is_initialized():
-        kw = dict(ray_init_kwargs or {})
-        if address is None:
-            local_auth_token(kw.get("_temp_dir") or os.path.join("/tmp", "ray"))
-        env = {k: os.environ[k] for k in ("JAX_PLATFORMS", "HF_HUB_OFFLINE", "PYTHONPATH") if k in os.environ}
-        kw.setdefault("runtime_env", {"env_vars": env})
-        ray.init(address=address, **kw)
+    _ensure_ray(address, ray_init_kwargs, ("JAX_PLATFORMS", "HF_HUB_OFFLINE", "PYTHONPATH"))
     bundle = {"CPU": cpus_per_actor, **({"GPU": gpus_per_actor} if gpus_per_actor else {})}
     pg = placement_group([dict(bundle) for _ in range(num_rollout_actors + 1)],
                          strategy="STRICT_PACK" if transport == "shm" else "PACK")
@@ -507,13 +516,7 @@ def launch_multihost(config, *, num_processes: int, address: str | None = None, 
 
     if num_processes < 1:
         raise ValueError(f"num_processes must be >= 1, got {num_processes}")
-    if not ray.is_initialized():
-        kw = dict(ray_init_kwargs or {})
-        if address is None:
-            local_auth_token(kw.get("_temp_dir") or os.path.join("/tmp", "ray"))
-        env = {k: os.environ[k] for k in ("HF_HUB_OFFLINE", "PYTHONPATH", "XLA_FLAGS") if k in os.environ}
-        kw.setdefault("runtime_env", {"env_vars": env})
-        ray.init(address=address, **kw)
+    _ensure_ray(address, ray_init_kwargs, ("HF_HUB_OFFLINE", "PYTHONPATH", "XLA_FLAGS"))
     bundle = {"CPU": cpus_per_process, **({"GPU": gpus_per_process} if gpus_per_process else {})}
     pg = placement_group([dict(bundle) for _ in range(num_processes)], strategy="STRICT_SPREAD" if spread else "PACK")
     try:

@@ -64,7 +64,6 @@ def plan_train_step(cfg, model_cfg, mesh, rows: int, prompt_len: int, response_l
     """Compile the train step for ``mesh`` on abstract inputs; per-device bytes from ``memory_analysis()``."""
     import jax
     import jax.numpy as jnp
-    import optax  # noqa: F401 (optimizer construction)
     from flax import nnx
 
     from fp8rl_jax import objectives
@@ -105,7 +104,6 @@ def plan_rollout_step(cfg, model_cfg, mesh, rows: int, prompt_len: int, max_toke
     """Compile the embedded engine's generation program (prefill + decode loop, KV cache) for ``mesh``."""
     import jax
     import jax.numpy as jnp
-    import numpy as np
     from flax import nnx
 
     from fp8rl_jax.fp8.kv_cache import kv_cache_storage_dtype, normalize_kv_cache_dtype
@@ -129,7 +127,6 @@ def plan_rollout_step(cfg, model_cfg, mesh, rows: int, prompt_len: int, max_toke
                               max_tokens=max_tokens, greedy=False, use_top_k=False, use_top_p=False, pad_token_id=0,
                               cache_dtype=kv_cache_storage_dtype(kv, dtype),
                               record_routing=any(model_cfg.is_sparse_layer(i) for i in range(layers))).lower()
-    del np
     return _memory(lowered.compile())
 
 

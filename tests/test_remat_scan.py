@@ -197,3 +197,26 @@ def test_fp8_training_product_under_remat_and_scan(arch):
     for k in ref:
         a, b = np.asarray(ref[k][...]), np.asarray(got[k][...])
         assert np.abs(a - b).max() <= 1e-2 * np.abs(a).max() + 1e-12, k
+
+
+def test_train_config_knobs_reach_the_trainer_and_change_no_result(tmp_path):
+    """train.remat_policy / train.scan_layers / train.logprobs_chunk_size: the trainer's model runs with them and
+    one RL step gives the same loss and gradient norm as the defaults (float32 rollout, fixed seeds)."""
+    from conftest import make_tiny_smollm2_vocab_dir
+    from fp8rl_jax.trainer import RLTrainer, TrainConfig
+    from test_checkpoint import fixed_length_dataset, text_reward
+
+    with pytest.raises(ValueError, match="remat_policy"):
+        TrainConfig(remat_policy="everything")
+    model = make_tiny_smollm2_vocab_dir(tmp_path / "m")
+    out = []
+    for kw in ({}, {"remat_policy": "full", "scan_layers": True, "logprobs_chunk_size": 3}):
+        cfg = TrainConfig(output_dir=str(tmp_path / "r"), model=model, num_steps=1, prompts_per_step=2,
+                          samples_per_prompt=2, max_tokens=4, rollout_precision="float32", progress_bar=False,
+                          seed=1, **kw)
+        tr = RLTrainer(cfg, dataset=fixed_length_dataset())
+        tr.reward_fn = text_reward
+        assert (tr.model.remat_policy, tr.model.scan_layers) == (cfg.remat_policy, cfg.scan_layers)
+        out.append(tr.step())
+    for key in ("actor/loss", "actor/grad_norm", "rollout_corr/k3_kl"):
+        np.testing.assert_allclose(out[1][key], out[0][key], rtol=1e-4, atol=1e-7)

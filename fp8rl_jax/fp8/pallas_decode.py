@@ -31,6 +31,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from fp8rl_jax.fp8.formats import ACTIVATION_RECIPE, BLOCK_SIZE, block_amax, compute_scale, scale_values
+from fp8rl_jax.fp8.pallas_gemm import pad_to_tiles
 
 #: The fused kernel is used for ``M <= MAX_DECODE_ROWS`` (decode and small batches); larger M goes to the tiled GEMM.
 MAX_DECODE_ROWS = 64
@@ -77,15 +78,8 @@ def _fused(x, wq, ws, *, block_size, bm, bn, splits, out_dtype, interpret, num_w
     n = wq.shape[0]
     kb = ws.shape[1]
     mp, np_, kp = pl.cdiv(m, bm) * bm, pl.cdiv(n, bn) * bn, kb * block_size
-    # Whole tiles only (Pallas' Triton lowering adds no bounds masks): zero rows/columns quantize to 0 with the
-    # eps scale and add nothing; zero K padding is vLLM's padding of a ragged last group.
-    if (mp, kp) != (m, k):
-        x = jnp.pad(x, ((0, mp - m), (0, kp - k)))
-    if (np_, kp) != (n, k):
-        wq = jnp.pad(wq, ((0, np_ - n), (0, kp - k)))
-    nbs = pl.cdiv(np_, block_size)
-    if ws.shape[0] != nbs:
-        ws = jnp.pad(ws, ((0, nbs - ws.shape[0]), (0, 0)))
+    # whole tiles only; zero activation rows quantize to 0 with the eps scale and add nothing
+    x, wq, ws = pad_to_tiles(x, wq, ws, mp, np_, kp, block_size)
     kb_split = kb // splits
     ks = kb_split * block_size
     ratio = block_size // bn

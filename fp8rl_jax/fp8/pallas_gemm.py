@@ -32,6 +32,22 @@ def _gemm_kernel(x_ref, xs_ref, w_ref, ws_ref, o_ref, *, kb, bk):
     o_ref[...] = acc.astype(o_ref.dtype)
 
 
+def pad_to_tiles(x, wq, ws, mp: int, np_: int, kp: int, block_size: int):
+    """Zero-pad ``x [M, K]`` to ``[mp, kp]``, ``wq [N, K]`` to ``[np_, kp]`` and the weight scales to
+    ``ceil(np_/block_size)`` block rows, so no kernel tile overhangs an array (Pallas' Triton lowering adds no bounds
+    masks). Zero rows/columns add nothing to the product; zero K padding is vLLM's padding of a ragged last group."""
+    m, k = x.shape
+    n = wq.shape[0]
+    if (mp, kp) != (m, k):
+        x = jnp.pad(x, ((0, mp - m), (0, kp - k)))
+    if (np_, kp) != (n, k):
+        wq = jnp.pad(wq, ((0, np_ - n), (0, kp - k)))
+    nbs = pl.cdiv(np_, block_size)
+    if ws.shape[0] != nbs:
+        ws = jnp.pad(ws, ((0, nbs - ws.shape[0]), (0, 0)))
+    return x, wq, ws
+
+
 @functools.partial(jax.jit, static_argnames=("block_size", "bm", "bn", "out_dtype", "interpret", "num_warps",
                                              "num_stages"))
 def _gemm(xq, xs, wq, ws, *, block_size, bm, bn, out_dtype, interpret, num_warps, num_stages):
@@ -39,14 +55,9 @@ def _gemm(xq, xs, wq, ws, *, block_size, bm, bn, out_dtype, interpret, num_warps
     n = wq.shape[0]
     kb = xs.shape[1]
     mp, np_, kp = pl.cdiv(m, bm) * bm, pl.cdiv(n, bn) * bn, kb * block_size
-    if (mp, kp) != (m, k):
-        xq = jnp.pad(xq, ((0, mp - m), (0, kp - k)))
+    if mp != m:
         xs = jnp.pad(xs, ((0, mp - m), (0, 0)))
-    if (np_, kp) != (n, k):
-        wq = jnp.pad(wq, ((0, np_ - n), (0, kp - k)))
-    nbs = pl.cdiv(np_, block_size)
-    if ws.shape[0] != nbs:
-        ws = jnp.pad(ws, ((0, nbs - ws.shape[0]), (0, 0)))
+    xq, wq, ws = pad_to_tiles(xq, wq, ws, mp, np_, kp, block_size)
     ratio = block_size // bn
     kwargs = {}
     if not interpret:

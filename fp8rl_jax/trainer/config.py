@@ -120,6 +120,14 @@ class TrainConfig:
         minibatch's token (or sequence) count, so the update equals the un-accumulated one
         (:mod:`fp8rl_jax.trainer.train_step`); settings it cannot make exact (``rollout_is_batch_normalize``, custom
         transforms) are refused when the trainer is built. None (default) = the whole minibatch at once.
+      remat_policy: activation checkpointing of each decoder layer in the training forward
+        (:mod:`fp8rl_jax.models.remat`: ``"none"``, ``"full"``, ``"dots_saveable"``,
+        ``"dots_with_no_batch_dims_saveable"``, ``"save_qkv_proj"``, ``"save_out_proj"``; maxtext names). Changes
+        memory and compute, never results.
+      scan_layers: run identical decoder layers as one ``lax.scan`` in the training forward (one compiled layer;
+        maxtext ``scan_layers``); with a remat policy this is what bounds activation memory to one layer's.
+      logprobs_chunk_size: positions per chunk of the logprob/entropy computation (never a ``[B, T, vocab]``
+        float32 array; :func:`fp8rl_jax.trainer.logprobs.token_logprobs`); None = all at once.
     """
 
     output_dir: str = "runs/default"
@@ -186,6 +194,9 @@ class TrainConfig:
     routing_replay: bool = False
     mesh: Any = None
     micro_batch_size: int | None = None
+    remat_policy: str = "none"
+    scan_layers: bool = False
+    logprobs_chunk_size: int | None = 2048
 
     @property
     def response_budget(self) -> int:
@@ -236,6 +247,10 @@ class TrainConfig:
             raise ValueError(f"prompts_per_step*samples_per_prompt={self.prompts_per_step * self.samples_per_prompt}"
                              f" is not divisible by num_minibatches={self.num_minibatches}")
         self._int_at_least("micro_batch_size", 1, allow_none=True)
+        self._int_at_least("logprobs_chunk_size", 1, allow_none=True)
+        from fp8rl_jax.models.remat import REMAT_POLICIES
+
+        choice("remat_policy", tuple(REMAT_POLICIES))
         minibatch = self.prompts_per_step * self.samples_per_prompt // self.num_minibatches
         if self.micro_batch_size is not None and minibatch % self.micro_batch_size:
             raise ValueError(f"train.micro_batch_size={self.micro_batch_size} does not divide the minibatch of "

@@ -93,11 +93,13 @@ class RLTrainer:
         self.sharding_plan = None
         if self.mesh is None:
             self.model = build_model(model_cfg, params, param_dtype=config.train_dtype,
-                                     dtype=compute_dtype(config.train_precision))
+                                     dtype=compute_dtype(config.train_precision), remat_policy=config.remat_policy,
+                                     scan_layers=config.scan_layers)
         else:  # host arrays go straight to their shards: no device holds a full copy (fp8rl_jax.parallel.loading)
             self.model, self.sharding_plan = build_sharded_model(model_cfg, params, self.mesh,
                                                                  param_dtype=config.train_dtype,
                                                                  dtype=compute_dtype(config.train_precision))
+            self.model.remat_policy, self.model.scan_layers = config.remat_policy, config.scan_layers
             if self.sharding_plan.fallbacks or self.sharding_plan.unmatched:
                 print(f"mesh {format_mesh_shape(mesh_shape_of(self.mesh))}: replicated where not divisible:\n"
                       f"{self.sharding_plan.summary()}", flush=True)
@@ -427,7 +429,8 @@ class RLTrainer:
             # R3 (arXiv 2510.11370): batch["rollout_routing"] [rows, P + T, L, k] (MoE models with a routing record)
             # is replayed when train.routing_replay, and always compared with the trainer's own routing (metric)
             routing_replay=cfg.routing_replay, moe_layers=self.moe_layers,
-            loss_scale_config=self.loss_scale_config)  # fp16 only: dynamic loss scaling with overflow-skip
+            loss_scale_config=self.loss_scale_config,  # fp16 only: dynamic loss scaling with overflow-skip
+            logprobs_chunk_size=cfg.logprobs_chunk_size)
         compiled = CompiledTrainStep(opts, mesh=self.mesh, donate=True)
 
         def run(model, optimizer, batch, on_policy: bool):

@@ -54,6 +54,7 @@ class StepOptions:
       num_layers: decoder layers (for ``capture_qkv``).
       routing_replay: replay ``batch["rollout_routing"]`` in the forward (R3).
       moe_layers: indices of the sparse layers (routing-mismatch metric).
+      logprobs_chunk_size: positions per logits chunk (:func:`fp8rl_jax.trainer.logprobs.token_logprobs`).
       loss_scale_config: fp16 dynamic loss scaling (:class:`fp8rl_jax.trainer.precision.LossScaleConfig`) or None.
     """
 
@@ -65,6 +66,7 @@ class StepOptions:
     routing_replay: bool = False
     moe_layers: tuple = ()
     loss_scale_config: Any = None
+    logprobs_chunk_size: int | None = 2048
 
 
 def _row_local(transform) -> bool:
@@ -105,11 +107,12 @@ def _forward_loss(model, b: dict, opts: StepOptions, on_policy: bool):
             b.get("rollout_routing") if opts.routing_replay else None)
     qkv = None
     if opts.capture_qkv:
-        (lp, router_ids), inter = nnx.capture(response_logprobs_and_routing, nnx.Intermediate)(model, *args)
+        (lp, router_ids), inter = nnx.capture(response_logprobs_and_routing, nnx.Intermediate)(
+            model, *args, chunk_size=opts.logprobs_chunk_size)
         real = jnp.concatenate([b["prompt_mask"], b["response_mask"] > 0], axis=1)
         qkv = masked_row_absmax(qkv_absmax_from_intermediates(inter, opts.num_layers), real)
     else:
-        lp, router_ids = response_logprobs_and_routing(model, *args)
+        lp, router_ids = response_logprobs_and_routing(model, *args, chunk_size=opts.logprobs_chunk_size)
     # on_policy: one update per step, so the policy at the update IS the old policy: old = stop_gradient(lp)
     old = jax.lax.stop_gradient(lp) if on_policy else b["old_logprobs"]
     loss, metrics = objectives.compute_policy_loss(lp, old, b["rollout_logprobs"], b["advantages"],
