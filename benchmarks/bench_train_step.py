@@ -14,8 +14,14 @@ Phases are the trainer's own timers (``timing/*`` in ``metrics.jsonl``):
 ``tokens_per_s`` counts prompt + response tokens of the step's sequences over the whole step; ``gen_tokens_per_s``
 counts only generated tokens over the rollout phase.
 
+The ``mesh`` column is the trainer's device mesh (``mesh.shape``; ``-`` = one device, the quickstart's path).
+``"--meshes=-;fsdp=2;fsdp=2,tensor=2"`` runs every variant on each; on a CPU the devices a mesh needs are faked for
+that run's process (``--xla_force_host_platform_device_count``), so CPU mesh rows show the cost of the sharded
+program on shared cores, not a speedup.
+
 Usage:
   python benchmarks/bench_train_step.py                           # quickstart, bf16 / fp8 / fp8_kv, 4 steps
+  python benchmarks/bench_train_step.py --variants fp8 "--meshes=-;fsdp=2"
   python benchmarks/bench_train_step.py --steps 6 --gin_param='train.max_tokens=64'
 Results: ``benchmarks/results/train_step_<device>.json`` and ``.md``.
 """
@@ -67,19 +73,29 @@ def main(argv=None):
     ap.add_argument("--gin_param", action="append", default=[], help="extra bindings for every variant")
     ap.add_argument("--variants", default="bf16,fp8,fp8_kv")
     ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--meshes", default="-", help="';'-separated mesh shapes ('-' = one device), e.g. '-;fsdp=2'")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     rows = []
-    for v in args.variants.split(","):
+    for v, mesh in [(v, m.strip()) for m in args.meshes.split(";") for v in args.variants.split(",")]:
         if v not in VARIANTS:
             raise SystemExit(f"unknown variant {v!r}; expected one of {tuple(VARIANTS)}")
+        env = dict(os.environ)
+        mesh_args = []
+        if mesh not in ("-", ""):
+            mesh_args = [f"--gin_param=mesh.shape='{mesh}'"]
+            n = 1
+            for part in mesh.split(","):
+                n *= int(part.split("=")[1])
+            if "nvidia" not in _device().lower():  # CPU: fake the devices for that process only
+                env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={n}").strip()
         with tempfile.TemporaryDirectory(prefix=f"bench_train_step_{v}_") as run_dir:
             cmd = [sys.executable, os.path.join(ROOT, "scripts", "train.py"), f"--gin_file={args.gin_file}",
                    f"--gin_param=train.num_steps={args.steps}", "--gin_param=train.checkpoint_every=0",
-                   "--gin_param=train.progress_bar=False", "--gin_param=train.plots=False", *VARIANTS[v],
+                   "--gin_param=train.progress_bar=False", "--gin_param=train.plots=False", *VARIANTS[v], *mesh_args,
                    *[f"--gin_param={g}" for g in args.gin_param], f"--output_dir={run_dir}"]
-            print(f"== {v}: {' '.join(cmd[1:])}", flush=True)
-            proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+            print(f"== {v} mesh {mesh}: {' '.join(cmd[1:])}", flush=True)
+            proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
             if proc.returncode:
                 raise SystemExit(f"{v} run failed (rc {proc.returncode}):\n{proc.stderr[-3000:]}")
             metrics = read_metrics(os.path.join(run_dir, "metrics.jsonl"))
@@ -88,10 +104,11 @@ def main(argv=None):
         batch = 1
         for key in ("train.prompts_per_step", "train.samples_per_prompt"):
             batch *= int(next(ln.split("=")[1] for ln in gin_txt.splitlines() if ln.startswith(key)))
-        row = {"variant": v, "steps": len(metrics), "sequences_per_step": batch, **summarize(metrics, batch)}
+        row = {"variant": v, "mesh": mesh or "-", "steps": len(metrics), "sequences_per_step": batch,
+               **summarize(metrics, batch)}
         rows.append(row)
         print(json.dumps(row), flush=True)
-    cols = ["variant", *PHASES, "rollout_share", "gen_tokens_per_s", "response_tokens_per_s", "tokens_per_s", "k3_kl"]
+    cols = ["variant", "mesh", *PHASES, "rollout_share", "gen_tokens_per_s", "response_tokens_per_s", "tokens_per_s", "k3_kl"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
         lines.append("| " + " | ".join(f"{r[c]:.4g}" if isinstance(r.get(c), float) else str(r.get(c, "-"))
