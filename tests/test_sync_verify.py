@@ -51,7 +51,9 @@ def test_correct_syncs_pass_and_report_the_difference(model_dir):
         assert 0 <= tr.last_probe_diff <= verify.probe_tolerance(prec)  # the initial sync was checked
         m = tr.step()
         assert 0 <= m["sync/probe_abs_diff"] <= verify.probe_tolerance(prec) and m["timing/verify_sync_s"] > 0
-    assert tr.last_probe_diff == 0.0  # float32 engine == float32 trainer, same program on the same weights
+    # float32 engine vs float32 trainer on the same weights: only float32 rounding differs (the trainer takes
+    # z - logsumexp(z) per logits chunk and XLA attention without a cache; the engine log_softmax through its cache)
+    assert tr.last_probe_diff < 1e-5
 
 
 def test_a_sync_that_writes_nothing_is_caught(model_dir):
