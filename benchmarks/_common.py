@@ -4,9 +4,22 @@ from __future__ import annotations
 
 import os
 import platform
+import statistics
+import time
 from typing import Iterator
 
 from fp8rl_jax.models.presets import QWEN3, qwen3_config  # noqa: F401 (re-exported for the benchmarks)
+
+
+def median_seconds(fn, repeats: int) -> float:
+    """Median wall seconds of ``fn()`` over ``repeats`` calls (no warm-up: the caller warms up; ``fn`` waits for
+    its own device work)."""
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
 
 
 def cpu_model() -> str:

@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -42,7 +41,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from _common import QWEN3, cpu_description, qwen3_config, random_param_groups  # noqa: E402
+from _common import QWEN3, cpu_description, median_seconds, qwen3_config, random_param_groups  # noqa: E402
 
 PRECISIONS = ("bf16", "fp8", "fp8_kv", "float32")
 def load_model_and_prompts(size: str, batch: int, prompt_len: int, seed: int = 0):
@@ -111,12 +110,7 @@ def copy_bandwidth_GBps(nbytes: int = 1 << 30, repeats: int = 5) -> float:
     x = jax.random.uniform(jax.random.key(1), (nbytes // 4,), jnp.float32)  # random, never zeros
     f = jax.jit(lambda a: a * 1.0 + 0.0)
     jax.block_until_ready(f(x))
-    ts = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(f(x))
-        ts.append(time.perf_counter() - t0)
-    return 2 * nbytes / statistics.median(ts) / 1e9
+    return 2 * nbytes / median_seconds(lambda: jax.block_until_ready(f(x)), repeats) / 1e9
 
 
 def decode_bytes_per_step(cfg, weights, batch: int, context_tokens: float, kv_bytes_per_token: float) -> float:
@@ -211,12 +205,7 @@ def run_cell(engine: str, size: str, precision: str, batches: list[int], max_tok
                       * (1 if kv_dtype == "fp8_e4m3" else 2))
 
     def timed(prompts, sp):
-        ts = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            eng.generate(prompts, sp)
-            ts.append(time.perf_counter() - t0)
-        return statistics.median(ts)
+        return median_seconds(lambda: eng.generate(prompts, sp), repeats)
 
     sp = SamplingParams(n=1, temperature=1.0, max_tokens=max_tokens, ignore_eos=True, seed=0)
     for plen in prompt_lens:

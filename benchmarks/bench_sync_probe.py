@@ -12,28 +12,17 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import sys
-import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import cpu_description  # noqa: E402
+from _common import cpu_description, median_seconds  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
 VARIANTS = {"float32": ("float32", "auto"), "bf16": ("bf16", "auto"), "fp8": ("fp8", "auto"),
             "fp8_kv": ("fp8", "fp8_e4m3")}
-
-
-def _median_s(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def main(repeats: int = 3) -> list[dict]:
@@ -48,8 +37,8 @@ def main(repeats: int = 3) -> list[dict]:
         tr = RLTrainer(TrainConfig(output_dir="/tmp/bench_sync_probe", rollout_precision=prec, kv_cache_dtype=kv,
                                    checkpoint_every=0, plots=False, progress_bar=False, verify_sync="off"))
         diff = tr.verify_sync()  # compiles both sides
-        verify_s = _median_s(tr.verify_sync, repeats)
-        sync_s = _median_s(lambda: tr.engine.update_weights(tr.export()), repeats)
+        verify_s = median_seconds(tr.verify_sync, repeats)
+        sync_s = median_seconds(lambda: tr.engine.update_weights(tr.export()), repeats)
         rows.append({"variant": name, "probe_abs_diff": diff, "tolerance": verify.probe_tolerance(prec, kv),
                      "probe_tokens": tr.sync_probe.num_tokens, "verify_s": verify_s, "sync_s": sync_s,
                      "verify_over_sync": verify_s / sync_s})

@@ -51,10 +51,8 @@ import argparse
 import json
 import multiprocessing as mp
 import os
-import statistics
 import subprocess
 import sys
-import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -65,7 +63,7 @@ import numpy as np  # noqa: E402
 
 from fp8rl_jax.export import export_weights  # noqa: E402
 from fp8rl_jax.models.config import hf_param_shapes  # noqa: E402
-from _common import cpu_description, qwen3_config, random_param_groups  # noqa: E402
+from _common import cpu_description, median_seconds, qwen3_config, random_param_groups  # noqa: E402
 from rollout_bridge.transports import (InProcessTransport, SharedMemoryTransport, TorchDistributedTransport,  # noqa: E402
                                        WeightReceiverMixin, order_by_layer)
 
@@ -212,12 +210,7 @@ def time_it(fn, repeats: int, sync=None) -> float:
         return out
 
     once()  # warm-up (compiles)
-    ts = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        once()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
+    return median_seconds(once, repeats)
 
 
 def bench_size(size: str, repeats: int, with_vllm: bool, device: str, compare_old: str, skip: set) -> dict:

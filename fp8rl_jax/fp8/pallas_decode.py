@@ -39,6 +39,18 @@ MAX_DECODE_ROWS = 64
 TARGET_PROGRAMS = 264
 
 
+def quantized_block_partial(xk, wk, ws_block, *, fp8_dtype, fp8_max, ptx):
+    """One 128-wide K block of a W8A8 product inside a kernel: ``xk [bm, bk]`` float activations quantized here in
+    1 x bk groups (vLLM ``QuantFP8`` native, the helpers of :func:`fp8rl_jax.fp8.quantize_activation_groupwise`),
+    times ``wk [bn, bk]`` e4m3 with float32 accumulation, scaled by the activation scales ``[bm, 1]`` and the weight
+    block's ``ws_block [1, 1]``: the float32 ``[bm, bn]`` partial sum the K loop adds (DeepGEMM promotion)."""
+    amax = block_amax(xk, 1, keepdims=True, ptx=ptx)  # [bm, 1]
+    xs = compute_scale(amax, fp8_max, False, recipe=ACTIVATION_RECIPE, ptx=ptx)
+    xq = scale_values(xk.astype(jnp.float32), xs, fp8_dtype, fp8_max, recipe=ACTIVATION_RECIPE, ptx=ptx)
+    d = lax.dot_general(xq, wk, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    return d * xs * ws_block
+
+
 def _decode_kernel(x_ref, w_ref, ws_ref, o_ref, *, kb_split, bk, fp8_dtype, fp8_max, ptx):
     """Program (j, s): output columns ``[j*bn, (j+1)*bn)``, K blocks ``[s*kb_split, (s+1)*kb_split)``.
 
@@ -47,13 +59,8 @@ def _decode_kernel(x_ref, w_ref, ws_ref, o_ref, *, kb_split, bk, fp8_dtype, fp8_
     bm, bn = o_ref.shape
 
     def body(i, acc):
-        xk = x_ref[:, pl.ds(i * bk, bk)]
-        amax = block_amax(xk, 1, keepdims=True, ptx=ptx)  # [bm, 1]
-        xs = compute_scale(amax, fp8_max, False, recipe=ACTIVATION_RECIPE, ptx=ptx)
-        xq = scale_values(xk.astype(jnp.float32), xs, fp8_dtype, fp8_max, recipe=ACTIVATION_RECIPE, ptx=ptx)
-        wk = w_ref[:, pl.ds(i * bk, bk)]
-        d = lax.dot_general(xq, wk, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-        return acc + d * xs * ws_ref[:, pl.ds(i, 1)]
+        return acc + quantized_block_partial(x_ref[:, pl.ds(i * bk, bk)], w_ref[:, pl.ds(i * bk, bk)],
+                                             ws_ref[:, pl.ds(i, 1)], fp8_dtype=fp8_dtype, fp8_max=fp8_max, ptx=ptx)
 
     o_ref[...] = lax.fori_loop(0, kb_split, body, jnp.zeros((bm, bn), jnp.float32))
 

@@ -29,7 +29,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from fp8rl_jax.fp8.formats import ACTIVATION_RECIPE, BLOCK_SIZE, block_amax, compute_scale, scale_values
+from fp8rl_jax.fp8.formats import BLOCK_SIZE
+from fp8rl_jax.fp8.pallas_decode import quantized_block_partial
 
 
 def tile_schedule(group_sizes: jax.Array, bm: int, max_tiles: int) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -70,13 +71,9 @@ def _grouped_kernel(tg_ref, ts_ref, te_ref, x_ref, w_ref, ws_ref, o_ref, *, kb, 
         def body(kk, acc):
             xk = x_ref[pl.ds(r0, bm), pl.ds(kk * bk, bk)]
             xk = jnp.where(live, xk, jnp.zeros_like(xk))  # rows of the next group must not set this tile's amax
-            amax = block_amax(xk, 1, keepdims=True, ptx=ptx)
-            xs = compute_scale(amax, fp8_max, False, recipe=ACTIVATION_RECIPE, ptx=ptx)
-            xq = scale_values(xk.astype(jnp.float32), xs, fp8_dtype, fp8_max, recipe=ACTIVATION_RECIPE, ptx=ptx)
             wk = w_ref[g, pl.ds(j * bn, bn), pl.ds(kk * bk, bk)]
-            d = lax.dot_general(xq, wk, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
             wsk = ws_ref[g, pl.ds(j // ratio, 1), pl.ds(kk, 1)]  # [1, 1]
-            return acc + d * xs * wsk
+            return acc + quantized_block_partial(xk, wk, wsk, fp8_dtype=fp8_dtype, fp8_max=fp8_max, ptx=ptx)
 
         acc = lax.fori_loop(0, kb, body, jnp.zeros((bm, bn), jnp.float32))
         # a masked store: rows past the group belong to another tile, which may be writing them right now

@@ -618,13 +618,9 @@ def qkv_row_absmax(model, ids, mask):
 
 
 @functools.partial(jax.jit, static_argnames="sharding")
-def _replicate_jit(tree, sharding):
-    return jax.lax.with_sharding_constraint(tree, jax.tree.map(lambda _: sharding, tree))
-
-
 def _replicate(tree, sharding):
     """``tree`` with every array replicated over ``sharding``'s mesh (an all-gather where sharded)."""
-    return _replicate_jit(tree, sharding)
+    return jax.lax.with_sharding_constraint(tree, jax.tree.map(lambda _: sharding, tree))
 
 
 def train(config: TrainConfig | None = None, *, trainer: RLTrainer | None = None,
