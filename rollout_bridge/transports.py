@@ -406,6 +406,63 @@ class ThreadReceiver:
         return self._pool.submit(self.rpc, method, args)
 
 
+def _serve_receiver(conn, factory) -> None:
+    """Child-process loop of :class:`ProcessReceiver`: build the receiver, then ``(method, args)`` in, result out."""
+    rec = factory()
+    while True:
+        msg = conn.recv()
+        if msg is None:
+            return
+        method, args = msg
+        try:
+            conn.send(("ok", getattr(rec, method)(*args)))
+        except Exception as e:  # noqa: BLE001 - reported to the caller, which raises it as a failed call
+            conn.send(("err", f"{type(e).__name__}: {e}"))
+
+
+class _PipePending:
+    def __init__(self, conn):
+        self.conn = conn
+
+    def result(self, timeout: float | None = None):
+        if not self.conn.poll(timeout):
+            raise TimeoutError("receiver process did not answer")
+        status, val = self.conn.recv()
+        if status != "ok":
+            raise RuntimeError(val)
+        return val
+
+
+class ProcessReceiver:
+    """A :class:`Receiver` in a spawned process, reached over a pipe (one call in flight at a time): the shape of a
+    vLLM worker's RPC, without vLLM (benchmarks and cross-process tests).
+
+    Args:
+      factory: picklable zero-argument callable run in the child to build the receiver object (e.g. a
+        :class:`WeightReceiverMixin` subclass defined at module level).
+      name: the name used in sync errors.
+    """
+
+    def __init__(self, factory: Callable[[], Any], name: str = "receiver-process"):
+        import multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        self.name = name
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_serve_receiver, args=(child, factory), daemon=True)
+        self.proc.start()
+
+    def call(self, method: str, *args) -> Pending:
+        """Send ``method(*args)`` to the child; the result comes with ``.result(timeout)``."""
+        self.conn.send((method, args))
+        return _PipePending(self.conn)
+
+    def close(self) -> None:
+        """Stop the child process."""
+        self.conn.send(None)
+        self.proc.join(30)
+
+
 def _wait_all(receivers: Sequence[Receiver], pendings: Sequence[Pending], what: str, timeout_s: float | None,
               version: int) -> None:
     deadline = None if timeout_s is None else time.monotonic() + timeout_s

@@ -27,10 +27,11 @@ def _bytes(a) -> bytes:
 
 @pytest.mark.slow
 def test_receivers_hold_the_reference_export_after_three_steps(tmp_path):
-    from _proc_receiver import ProcessReceiver
+    from _proc_receiver import CopyAndDumpReceiver
     from fp8rl_jax.trainer import RLTrainer, TrainConfig
     from rollout_bridge.dlpack import torch_sync_tensors
-    from rollout_bridge.transports import InProcessTransport, SharedMemoryTransport, ThreadReceiver, WeightReceiverMixin
+    from rollout_bridge.transports import (InProcessTransport, ProcessReceiver, SharedMemoryTransport, ThreadReceiver,
+                                           WeightReceiverMixin)
 
     class Copy(WeightReceiverMixin):
         params: dict = {}
@@ -44,7 +45,7 @@ def test_receivers_hold_the_reference_export_after_three_steps(tmp_path):
     tr = RLTrainer(cfg, dataset=fixed_length_dataset())
     tr.reward_fn = text_reward
     local = Copy()
-    child = ProcessReceiver()
+    child = ProcessReceiver(CopyAndDumpReceiver, name="child-process")
     shm = SharedMemoryTransport(bucket_bytes=1 << 20, stream=True)
     seen = []
     try:
