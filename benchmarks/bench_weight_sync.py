@@ -12,16 +12,22 @@ random weights) the script holds float32 master params in an NNX model, as the t
   linears, quantizes the stacks and slices them per layer), in the same run;
 * ``handover``: :func:`rollout_bridge.dlpack.torch_sync_tensors` (wait for the arrays, one DLPack view per tensor,
   layer order);
-* ``inprocess``: :class:`~rollout_bridge.transports.InProcessTransport` to a receiver in this process that
-  copies every tensor into its own preallocated parameters (what vLLM's reload does with them);
+* ``inprocess``: :class:`~rollout_bridge.transports.InProcessTransport` to a
+  :class:`rollout_bridge.torch_receiver.TorchParamsReceiver` in this process, which copies every tensor into its
+  own preallocated torch parameters (one byte copy per tensor: ``memcpy`` on CPU, a device copy on GPU);
 * ``shm``: :class:`~rollout_bridge.transports.SharedMemoryTransport` (flattened buckets in POSIX shared memory,
-  streamed: the receiver copies bucket k while the sender fills k+1; CUDA IPC on GPU) to a receiver in another
-  process that copies into its parameters;
+  streamed: the receiver copies bucket k while the sender fills k+1; CUDA IPC on GPU) to a ``TorchParamsReceiver``
+  in another process;
 * ``dist``: :class:`~rollout_bridge.transports.TorchDistributedTransport` (gloo broadcast on CPU, NCCL on GPU)
   to the same kind of receiver process (``dist_streamed``: one bucket at a time above 2 GiB);
-* ``floor``: one plain copy of ``payload`` bytes between two preallocated, already-touched buffers (CPU:
-  ``numpy.copyto``, one thread; GPU: one ``torch`` device copy), and ``tensor_copy``: the same bytes copied
-  tensor by tensor with ``torch`` ``copy_``;
+* ``floor``: one plain copy of ``payload`` bytes between two preallocated, already-touched buffers (GPU: one
+  ``torch`` device copy; CPU: one ``numpy.copyto`` on one thread, the memcpy floor, which glibc does with
+  non-temporal stores at this size) and ``floor_threads``: the same bytes split over
+  :func:`rollout_bridge.transports.copy_many`'s threads (CPU; with two threads each half is still large enough
+  for non-temporal stores, so this is the host's copy bandwidth, which per-tensor copies of 0.3-3 MiB, made
+  with ordinary stores, cannot reach), and ``tensor_copy``: the same bytes copied
+  tensor by tensor with a dtype-typed ``torch`` ``copy_`` (what vLLM's weight loaders do with each tensor; on
+  CPU about half of ``memcpy``'s bandwidth on one thread);
 * ``vllm`` (with ``--vllm``, 135m only on CPU): ``VllmRolloutEngine.update_weights`` into a real in-process vLLM.
 
 Ratios: ``inprocess_x_floor = (handover + inprocess) / floor`` and ``shm_x_floor = (handover + shm) / floor``
@@ -64,23 +70,8 @@ from fp8rl_jax.export import export_weights  # noqa: E402
 from fp8rl_jax.models.config import hf_param_shapes  # noqa: E402
 from _common import cpu_description, median_seconds, qwen3_config, random_param_groups  # noqa: E402
 from rollout_bridge.transports import (InProcessTransport, SharedMemoryTransport, TorchDistributedTransport,  # noqa: E402
-                                       ProcessReceiver, WeightReceiverMixin, order_by_layer)
-
-class CopyReceiver(WeightReceiverMixin):
-    """Receiver that copies every tensor into preallocated 'parameters' (stands in for vLLM's reload copy)."""
-
-    def __init__(self):
-        self.params = {}
-
-    def _fp8rl_load(self, named, kv_scales, version):
-        import torch
-
-        for name, t in named:
-            dst = self.params.get(name)
-            if dst is None:
-                dst = self.params[name] = torch.empty(t.shape, dtype=t.dtype, device=t.device)
-            dst.copy_(t)
-
+                                       ProcessReceiver, copy_many)
+from rollout_bridge.torch_receiver import TorchParamsReceiver  # noqa: E402
 
 class _Local:
     name = "local"
@@ -96,12 +87,12 @@ class _Local:
         return f
 
 
-def _serve_copy_receiver() -> "CopyReceiver":
+def _serve_copy_receiver() -> TorchParamsReceiver:
     """The benchmark's receiver process: one torch thread, as vLLM-CPU serves."""
     import torch
 
     torch.set_num_threads(1)
-    return CopyReceiver()
+    return TorchParamsReceiver()
 
 
 def _masters(size: str, device: str, mem_limit: int | None):
@@ -221,12 +212,16 @@ def bench_size(size: str, repeats: int, with_vllm: bool, device: str, compare_ol
     else:
         a = np.ones(nbytes, np.uint8)
         b = np.zeros_like(a)
-        row["floor_s"] = time_it(lambda: np.copyto(b, a), repeats)
+        row["floor_1thread_s"] = time_it(lambda: np.copyto(b, a), repeats)
+        ta, tb = torch.from_numpy(a), torch.from_numpy(b)
+        row["floor_threads_s"] = time_it(lambda: copy_many([(tb, ta)]), repeats)
+        row["floor_s"] = row["floor_1thread_s"]
+        del ta, tb
     del a, b
     dst = {k: torch.empty_like(v) for k, v in tensors.items()}
     row["tensor_copy_s"] = time_it(lambda: [dst[k].copy_(v) for k, v in tensors.items()], repeats, sync)
     del dst
-    local = [_Local(CopyReceiver())]
+    local = [_Local(TorchParamsReceiver())]
     inproc = InProcessTransport()
     row["inprocess_s"] = time_it(lambda: inproc.send(tensors, {}, 1, local), repeats, sync)
     del local
@@ -272,6 +267,8 @@ def bench_size(size: str, repeats: int, with_vllm: bool, device: str, compare_ol
         eng.close()
     f = row["floor_s"]
     row["inprocess_x_floor"] = (row["handover_s"] + row["inprocess_s"]) / f
+    if "floor_threads_s" in row:
+        row["inprocess_x_floor_threads"] = (row["handover_s"] + row["inprocess_s"]) / row["floor_threads_s"]
     if "shm_s" in row:
         row["shm_x_floor"] = (row["handover_s"] + row["shm_s"]) / f
     if "dist_s" in row:
@@ -305,10 +302,12 @@ def _pick_device() -> str:
     return "cpu"
 
 
-COLS = [("size", "size"), ("payload_MB", "payload MB"), ("floor_s", "floor"), ("export_s", "export"),
+COLS = [("size", "size"), ("payload_MB", "payload MB"), ("floor_s", "floor"), ("floor_threads_s", "floor (threads)"),
+        ("export_s", "export"),
         ("export_old_s", "export (old)"), ("walk_s", "graph walk"), ("walk_cached_s", "cached walk"),
         ("handover_s", "DLPack handover"), ("tensor_copy_s", "per-tensor copy"), ("inprocess_s", "in-process"),
-        ("inprocess_x_floor", "in-process x floor"), ("shm_s", "shm"), ("shm_x_floor", "shm x floor"),
+        ("inprocess_x_floor", "in-process x floor"), ("inprocess_x_floor_threads", "in-process x floor (threads)"),
+        ("shm_s", "shm"), ("shm_x_floor", "shm x floor"),
         ("shm_unstreamed_s", "shm unstreamed"),
         ("dist_s", "dist"), ("dist_x_floor", "dist x floor"), ("vllm_s", "vllm")]
 
@@ -317,7 +316,7 @@ def _table(rows) -> str:
     def fmt(r, c):
         v = r.get(c)
         if isinstance(v, float):
-            return f"{v:.3g}" if c.endswith("_x_floor") or c == "payload_MB" else f"{v * 1e3:.1f}"
+            return f"{v:.3g}" if "_x_floor" in c or c == "payload_MB" else f"{v * 1e3:.1f}"
         return "-" if v is None else str(v)
 
     lines = ["| " + " | ".join(h for _, h in COLS) + " |", "|" + "---|" * len(COLS)]

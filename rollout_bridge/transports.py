@@ -98,22 +98,76 @@ def _as_bytes(t):
     return t.contiguous().reshape(-1).view(torch.uint8)
 
 
-def copy_bytes(dst, src) -> None:
-    """``dst[:] = src`` for uint8 tensors: a single-threaded ``numpy.copyto`` memcpy on CPU (torch's threaded
-    ``copy_`` pays a thread-pool barrier per call, which dominates on small, busy CPUs), ``copy_`` on GPU."""
+_SPLIT_BYTES = 8 << 20  # CPU copies above this are split between the copy threads
+_COPY_POOL: dict[int, concurrent.futures.ThreadPoolExecutor] = {}
+
+
+def default_copy_threads() -> int:
+    """Threads for host-memory byte copies: the CPUs this process may run on, at most 4 (two already reach the
+    memory bandwidth of the 2-core machine in ``benchmarks/results/weight_sync_cpu.md``; more only contend)."""
+    import os
+
+    try:
+        n = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        n = os.cpu_count() or 1
+    return max(1, min(4, n))
+
+
+def _copy_group(pairs) -> None:
     import numpy as np
 
-    if dst.device.type == "cpu" and src.device.type == "cpu":
-        np.copyto(dst.numpy(), src.numpy())
-    else:
-        dst.copy_(src, non_blocking=True)
+    for d, s in pairs:
+        np.copyto(d, s)
+
+
+def copy_many(pairs: Sequence[tuple[Any, Any]], threads: int | None = None) -> None:
+    """``dst[:] = src`` for every ``(dst, src)`` pair of flat uint8 torch tensors of equal length.
+
+    On CPU the copies are spread over ``threads`` threads (default :func:`default_copy_threads`; ``numpy.copyto``
+    releases the GIL): tensors above 8 MiB are cut into ``threads`` pieces and the pieces are balanced by bytes.
+    One thread copying 1-64 MiB pieces reaches about half the bandwidth of one large ``memcpy`` on the
+    benchmark machine (glibc switches to non-temporal stores only above a cache-size-derived threshold, ~200 MB
+    there); two threads recover it. On GPU every pair is one device ``copy_`` (non-blocking: synchronize before
+    reading ``dst`` from another stream or process).
+
+    Raises:
+      ValueError: a pair whose lengths differ (named by position).
+    """
+    cpu, rest = [], []
+    for i, (d, s) in enumerate(pairs):
+        if d.numel() != s.numel():
+            raise ValueError(f"copy pair {i}: destination has {d.numel()} bytes, source {s.numel()}")
+        (cpu if d.device.type == "cpu" and s.device.type == "cpu" else rest).append((d, s))
+    for d, s in rest:
+        d.copy_(s, non_blocking=True)
+    if not cpu:
+        return
+    threads = max(1, int(threads or default_copy_threads()))
+    pieces = []
+    for d, s in cpu:
+        dn, sn, n = d.numpy(), s.numpy(), d.numel()
+        step = -(-n // threads) if threads > 1 and n > _SPLIT_BYTES else n
+        pieces += [(dn[o:o + step], sn[o:o + step]) for o in range(0, n, max(step, 1))]
+    if threads == 1 or len(pieces) == 1:
+        _copy_group(pieces)
+        return
+    groups, loads = [[] for _ in range(threads)], [0] * threads
+    for p in sorted(pieces, key=lambda p: -p[0].size):
+        i = loads.index(min(loads))
+        groups[i].append(p)
+        loads[i] += p[0].size
+    pool = _COPY_POOL.get(threads)
+    if pool is None:
+        pool = _COPY_POOL[threads] = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="fp8rl-copy")
+    for f in [pool.submit(_copy_group, g) for g in groups if g]:
+        f.result()
 
 
 def fill_buckets(buckets, tensors: dict[str, Any], entries: Sequence[TensorEntry]) -> None:
     """Copy each tensor's bytes into its bucket slot (``buckets``: uint8 torch tensors indexed by bucket number,
-    a list or a ``{bucket: tensor}`` dict)."""
-    for e in entries:
-        copy_bytes(buckets[e.bucket][e.offset:e.offset + e.nbytes], _as_bytes(tensors[e.name]))
+    a list or a ``{bucket: tensor}`` dict), with :func:`copy_many`."""
+    copy_many([(buckets[e.bucket][e.offset:e.offset + e.nbytes], _as_bytes(tensors[e.name])) for e in entries])
 
 
 def entries_by_bucket(entries: Sequence[TensorEntry], num_buckets: int) -> list[list[TensorEntry]]:

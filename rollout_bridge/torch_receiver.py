@@ -1,0 +1,91 @@
+"""A torch consumer of the per-step weight sync: copy every synced tensor into preallocated torch parameters.
+
+:class:`TorchParamsReceiver` is the receiving end for a torch model that is not vLLM (a custom sampler, a
+reward model sharing the policy's weights, a test harness): it owns or is given ``{hf_name: torch.Tensor}`` and,
+on every sync, overwrites each of them in place with the received bytes. It works behind every transport of
+:mod:`rollout_bridge.transports` (in-process DLPack views, shared-memory or CUDA IPC buckets, a broadcast
+group), so the same object measures and serves all of them.
+
+The copy is a byte copy (:func:`rollout_bridge.transports.copy_many`): ``numpy.copyto`` (``memcpy``) spread
+over a few threads on CPU, one device ``copy_`` per tensor on GPU. A dtype-typed ``torch`` ``copy_`` on CPU runs
+an element-wise kernel that reaches about half of ``memcpy``'s bandwidth on one thread (measured on the 2-core
+Xeon of ``benchmarks/results/weight_sync_cpu.md``: ``per-tensor copy`` against ``floor``), which is what vLLM's
+weight loaders pay (they ``param.data.copy_(loaded_weight)``); a byte copy of a same-dtype, same-shape tensor
+gives the same result at the memory-bandwidth floor.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from rollout_bridge.transports import WeightReceiverMixin, _as_bytes, copy_many
+
+
+class TorchParamsReceiver(WeightReceiverMixin):
+    """Receiver that writes each synced tensor into the preallocated torch tensor of the same name.
+
+    Args:
+      params: ``{hf_name: torch.Tensor}`` to overwrite in place (e.g. ``dict(module.named_parameters())`` of a
+        model whose names follow the export's HF names; every tensor contiguous). ``None``: start empty.
+      allocate: create a tensor for a name not in ``params`` on its first sync (on ``device``, or on the
+        incoming tensor's device); ``False``: an unknown name is an error.
+      device: device for allocated tensors (``"cpu"``, ``"cuda:0"``; default: the incoming tensor's).
+      copy_threads: host copy threads (default :func:`rollout_bridge.transports.default_copy_threads`).
+
+    Attributes:
+      params: the tensors written (the caller's own objects, plus allocated ones).
+      kv_scales: ``{layer_index: {"k_scale": float, ...}}`` of the last sync.
+
+    Raises (from a sync, wrapped by the transport into :class:`rollout_bridge.transports.WeightSyncError`):
+      KeyError: a name not in ``params`` with ``allocate=False``.
+      ValueError: a received tensor whose shape or dtype differs from its preallocated tensor (named), or a
+        preallocated tensor that is not contiguous (an in-place byte copy needs one flat buffer).
+
+    The receiver's version stays ``-1`` until every tensor of a sync is written
+    (:class:`~rollout_bridge.transports.WeightReceiverMixin`), so a failed sync is never mistaken for a complete one.
+    """
+
+    _BATCH = 64  # tensors per copy_many call: several per thread, while a streamed bucket's views are alive
+
+    def __init__(self, params: Mapping[str, Any] | None = None, *, allocate: bool = True, device=None,
+                 copy_threads: int | None = None):
+        self.copy_threads = copy_threads
+        self.params = dict(params or {})
+        self.allocate = bool(allocate)
+        self.device = device
+        self.kv_scales: dict[int, dict[str, float]] = {}
+        for name, t in self.params.items():
+            if not t.is_contiguous():
+                raise ValueError(f"preallocated tensor {name} is not contiguous; the receiver writes it in place "
+                                 "as one flat buffer")
+
+    def _destination(self, name: str, t):
+        import torch
+
+        dst = self.params.get(name)
+        if dst is None:
+            if not self.allocate:
+                raise KeyError(f"received {name}, which has no preallocated tensor (allocate=False)")
+            dst = self.params[name] = torch.empty(t.shape, dtype=t.dtype, device=self.device or t.device)
+            return dst
+        if tuple(dst.shape) != tuple(t.shape) or dst.dtype != t.dtype:
+            raise ValueError(f"{name}: preallocated {tuple(dst.shape)} {dst.dtype}, received {tuple(t.shape)} "
+                             f"{t.dtype}")
+        return dst
+
+    def _fp8rl_load(self, named, kv_scales, version) -> None:
+        import torch
+
+        on_cuda, pairs, held = False, [], []
+        for name, t in named:  # a stream (shm, broadcast) yields a bucket's tensors once the bucket has landed
+            dst = self._destination(name, t)
+            pairs.append((_as_bytes(dst), _as_bytes(t)))
+            held.append(t)
+            on_cuda = on_cuda or dst.is_cuda or t.is_cuda
+            if len(pairs) >= self._BATCH:
+                copy_many(pairs, self.copy_threads)
+                pairs, held = [], []
+        copy_many(pairs, self.copy_threads)
+        if on_cuda:  # the device copies were queued non-blocking: the version is recorded after they land
+            torch.cuda.synchronize()
+        self.kv_scales = {int(k): {kk: float(vv) for kk, vv in v.items()} for k, v in (kv_scales or {}).items()}

@@ -1,0 +1,91 @@
+"""The torch consumer of the weight sync (rollout_bridge.torch_receiver) and the threaded host copies under it.
+
+References: the bytes the sender holds (numpy views of the source tensors), compared byte for byte; the
+receiver's own preallocated tensors must be the objects written (in place, no reallocation).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="optional extra: torch (the rollout_bridge side)")
+
+from rollout_bridge.torch_receiver import TorchParamsReceiver  # noqa: E402
+from rollout_bridge.transports import (InProcessTransport, SharedMemoryTransport, ThreadReceiver,  # noqa: E402
+                                       WeightSyncError, copy_many)
+
+
+def _bytes(t) -> np.ndarray:
+    return t.contiguous().reshape(-1).view(torch.uint8).numpy()
+
+
+def _tensors(seed: int) -> dict:
+    """Sizes on both sides of copy_many's 8 MiB split (odd lengths: pieces of unequal size), three dtypes."""
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "model.embed_tokens.weight": torch.randn(2051, 2049, generator=g).to(torch.bfloat16),  # 8.4 MB: split
+        "model.layers.0.self_attn.q_proj.weight": torch.randint(0, 126, (256, 384), dtype=torch.uint8,
+                                                                generator=g).view(torch.float8_e4m3fn),
+        "model.layers.0.self_attn.q_proj.weight_scale_inv": torch.rand(2, 3, generator=g),
+        "model.norm.weight": torch.randn(77, generator=g).to(torch.bfloat16),
+    }
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_copy_many_copies_every_byte(threads):
+    g = torch.Generator().manual_seed(threads)
+    lengths = [1, 63, 4096, (8 << 20) + 13, (17 << 20) + 5]
+    src = [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g) for n in lengths]
+    dst = [torch.zeros(n, dtype=torch.uint8) for n in lengths]
+    copy_many(list(zip(dst, src)), threads)
+    for d, s in zip(dst, src):
+        assert np.array_equal(d.numpy(), s.numpy())
+    with pytest.raises(ValueError, match="copy pair 0: destination has 3 bytes, source 4"):
+        copy_many([(torch.zeros(3, dtype=torch.uint8), torch.zeros(4, dtype=torch.uint8))])
+
+
+@pytest.mark.parametrize("transport", ["inprocess", "shm"])
+def test_receiver_writes_preallocated_tensors_in_place(transport):
+    first = _tensors(0)
+    mine = {k: torch.zeros_like(v) for k, v in first.items()}
+    ids = {k: v.data_ptr() for k, v in mine.items()}
+    rec = TorchParamsReceiver(mine, allocate=False, copy_threads=2)
+    r = ThreadReceiver(lambda m, a: getattr(rec, m)(*a))
+    tr = InProcessTransport() if transport == "inprocess" else SharedMemoryTransport(bucket_bytes=1 << 20)
+    try:
+        for step in range(3):
+            ts = _tensors(step)
+            tr.send(ts, {0: {"k_scale": 0.5 + step}}, step + 1, [r], timeout_s=60)
+            assert rec.fp8rl_weights_version() == step + 1
+            assert rec.kv_scales == {0: {"k_scale": 0.5 + step}}
+            for k, v in ts.items():
+                assert mine[k].data_ptr() == ids[k] and rec.params[k] is mine[k]  # the caller's own tensors
+                assert np.array_equal(_bytes(mine[k]), _bytes(v)), (step, k)
+    finally:
+        rec.fp8rl_release_shm()
+        tr.close()
+
+
+def test_receiver_allocates_on_first_sync_and_names_mismatches():
+    ts = _tensors(1)
+    rec = TorchParamsReceiver()
+    rec.fp8rl_load_tensors(list(ts.items()), {}, 3)
+    assert sorted(rec.params) == sorted(ts) and rec.fp8rl_weights_version() == 3
+    assert all(rec.params[k] is not ts[k] and np.array_equal(_bytes(rec.params[k]), _bytes(ts[k])) for k in ts)
+
+    bad = dict(ts)
+    bad["model.norm.weight"] = torch.zeros(78, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"model.norm.weight: preallocated \(77,\) torch.bfloat16, received \(78,\)"):
+        rec.fp8rl_load_tensors(list(bad.items()), {}, 4)
+    assert rec.fp8rl_weights_version() == -1  # a failed sync is never taken for a complete one
+
+    strict = TorchParamsReceiver({}, allocate=False)
+    with pytest.raises(KeyError, match="model.embed_tokens.weight, which has no preallocated tensor"):
+        strict.fp8rl_load_tensors(list(ts.items()), {}, 1)
+    r = ThreadReceiver(lambda m, a: getattr(strict, m)(*a))
+    with pytest.raises(WeightSyncError):
+        InProcessTransport().send(ts, {}, 1, [r], timeout_s=30)
+
+    with pytest.raises(ValueError, match="x is not contiguous"):
+        TorchParamsReceiver({"x": torch.zeros(4, 6).t()})
