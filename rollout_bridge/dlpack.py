@@ -204,3 +204,28 @@ def check_same_signature(first: Signature | None, tensors: dict[str, Any]) -> Si
         if v != first[k]:
             raise ValueError(f"shape/dtype mismatch for {k}: engine expects {first[k]}, update has {v}")
     return first
+
+
+def tp_rank_torch_tensors(export, rank: int, device=None) -> dict[str, Any]:
+    """One vLLM tensor-parallel rank's weights as torch views of the trainer's own shard buffers (no copy).
+
+    Args:
+      export: a :class:`fp8rl_jax.export_tp.TPShardedExport` (``tensors``: ``[tp, *local]`` sharded over the TP
+        ranks).
+      rank: the TP rank, ``0 <= rank < export.tp``.
+      device: the JAX device whose copy to view (default: the first one of this process holding ``rank``; a
+        colocated vLLM worker passes its own GPU).
+
+    Returns:
+      ``{vllm_name: torch.Tensor [*local]}`` on that device, in :func:`rollout_bridge.transports.order_by_layer`
+      order (names and layouts of vLLM's TP-local parameters: ``qkv_proj``, ``gate_up_proj``, ``o_proj``,
+      ``down_proj``, ``experts.w13_weight`` ...; read-only by contract).
+
+    Raises:
+      ValueError: as :meth:`TPShardedExport.rank_tensors` (rank out of range, not held by this process).
+    """
+    from rollout_bridge.transports import order_by_layer
+
+    shards = export.rank_tensors(rank, device)
+    jax.block_until_ready(shards)
+    return {k: jax_to_torch(shards[k])[0] for k in order_by_layer(shards)}

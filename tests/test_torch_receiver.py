@@ -89,3 +89,31 @@ def test_receiver_allocates_on_first_sync_and_names_mismatches():
 
     with pytest.raises(ValueError, match="x is not contiguous"):
         TorchParamsReceiver({"x": torch.zeros(4, 6).t()})
+
+
+def test_tp_rank_views_feed_the_receiver_without_copies():
+    """One device (tp = 1): the rank's torch views alias the export's shard buffers, and a receiver gets the bytes
+    of vLLM's fused qkv_proj = [q; k; v] (numpy concatenation of the HF tensors as the reference)."""
+    import jax
+    import jax.numpy as jnp
+
+    from fp8rl_jax.export_tp import export_tp_shards
+    from fp8rl_jax.models.config import ModelConfig, hf_param_shapes
+    from fp8rl_jax.parallel.mesh import make_mesh
+    from rollout_bridge.dlpack import tp_rank_torch_tensors
+
+    cfg = ModelConfig(model_type="qwen3", vocab_size=128, hidden_size=128, intermediate_size=256,
+                      num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=128, qk_norm=True)
+    rng = np.random.default_rng(0)
+    params = {k: jnp.asarray(rng.standard_normal(s).astype(np.float32)) for k, s in hf_param_shapes(cfg).items()}
+    ex = export_tp_shards(params, cfg, make_mesh("tensor=1", devices=jax.devices()[:1]), fmt="bf16")
+    views = tp_rank_torch_tensors(ex, 0)
+    name = "model.layers.0.self_attn.qkv_proj.weight"
+    assert views[name].data_ptr() == ex.tensors[name].addressable_shards[0].data.unsafe_buffer_pointer()
+    want = np.concatenate([np.asarray(params[f"model.layers.0.self_attn.{p}_proj.weight"].astype(jnp.bfloat16))
+                           for p in "qkv"])
+    rec = TorchParamsReceiver()
+    rec.fp8rl_load_tensors(list(views.items()), {}, 1)
+    assert np.array_equal(_bytes(rec.params[name]), want.reshape(-1).view(np.uint8))
+    with pytest.raises(ValueError, match=r"rank 1 is not in \[0, 1\)"):
+        tp_rank_torch_tensors(ex, 1)
