@@ -117,3 +117,29 @@ def test_tp_rank_views_feed_the_receiver_without_copies():
     assert np.array_equal(_bytes(rec.params[name]), want.reshape(-1).view(np.uint8))
     with pytest.raises(ValueError, match=r"rank 1 is not in \[0, 1\)"):
         tp_rank_torch_tensors(ex, 1)
+
+
+_OPENED: list = []
+
+
+def _fake_rebuild(*args):
+    """Stands in for torch's rebuild_cuda_tensor: records the device index it was given (args[6])."""
+    _OPENED.append(args[6])
+    return torch.full((args[1],), args[0], dtype=torch.uint8)
+
+
+def test_cuda_ipc_buckets_are_opened_once_per_bucket_set():
+    """The receiver side of the persistent CUDA IPC buckets, on CPU with a stand-in for the handle rebuild:
+    handles are opened (on the receiver's device index) only when the sender names a new bucket set."""
+    _OPENED.clear()
+    rec = TorchParamsReceiver()
+    meta = {"handles": [(_fake_rebuild, (7, 64, 0, 0, 0, 0, 3)), (_fake_rebuild, (9, 32, 0, 0, 0, 0, 3))],
+            "buckets_id": "a"}
+    first = rec._fp8rl_ipc_buckets(meta, 0)
+    again = rec._fp8rl_ipc_buckets(meta, 0)
+    assert again is first and _OPENED == [0, 0]  # mapped to our device once; the second sync opens nothing
+    assert [int(b[0]) for b in first] == [7, 9]
+    rec._fp8rl_ipc_buckets(dict(meta, buckets_id="b"), 1)  # a new layout: opened again
+    assert _OPENED == [0, 0, 1, 1]
+    rec._fp8rl_ipc_buckets({"handles": meta["handles"]}, 0)  # an old sender without ids: always opened
+    assert len(_OPENED) == 6
