@@ -38,6 +38,7 @@ from fp8rl_jax.parallel.mesh import MeshConfig, format_mesh_shape, mesh_from, me
 from fp8rl_jax.rollout import verify
 from fp8rl_jax.rollout.engine import ENGINE_PRECISIONS, JaxRolloutEngine
 from fp8rl_jax.rollout.types import RolloutEngine, SamplingParams
+from fp8rl_jax.trainer.offload import HOST as OFFLOAD_MEMORY, move_optimizer_state
 from fp8rl_jax.trainer.checkpoint import (CheckpointStore, load_model_state, load_optimizer_state, model_state,
                                           optimizer_state)
 from fp8rl_jax.trainer import dapo
@@ -504,11 +505,22 @@ class RLTrainer:
             timers["reward"] += time.perf_counter() - t0
             return dapo.ScoredBatch(rb, list(items), texts, scores, rewards)
 
-        if cfg.filter_groups:
-            sb, dapo_metrics = dapo.dynamic_sampling(generate_scored, cfg.prompts_per_step, cfg.samples_per_prompt,
-                                                     cfg.max_num_gen_batches, cfg.filter_groups_metric)
-        else:
-            sb, dapo_metrics = generate_scored(), {}
+        offloaded, t_offload = 0, time.perf_counter()
+        if cfg.offload_optimizer:  # the optimizer state waits in host memory while the engine generates
+            offloaded = move_optimizer_state(self.optimizer, OFFLOAD_MEMORY)
+        t_offload = time.perf_counter() - t_offload
+        try:
+            if cfg.filter_groups:
+                sb, dapo_metrics = dapo.dynamic_sampling(generate_scored, cfg.prompts_per_step,
+                                                         cfg.samples_per_prompt, cfg.max_num_gen_batches,
+                                                         cfg.filter_groups_metric)
+            else:
+                sb, dapo_metrics = generate_scored(), {}
+        finally:
+            if cfg.offload_optimizer:
+                t0 = time.perf_counter()
+                move_optimizer_state(self.optimizer, "device")
+                t_offload += time.perf_counter() - t0
         rb, texts = sb.rollout, sb.texts
         rewards = sb.rewards.astype(np.float32)
         if cfg.overlong_buffer_len > 0:
@@ -585,6 +597,8 @@ class RLTrainer:
                     "timing/train_s": t_train, "timing/sync_s": t_sync, "timing/verify_sync_s": t_verify,
                     "sync/probe_abs_diff": self.last_probe_diff,
                     "timing/step_s": time.perf_counter() - t_step})
+        if cfg.offload_optimizer:
+            out.update({"timing/offload_s": t_offload, "memory/optimizer_offloaded_gb": offloaded / 2**30})
         self.last_texts = texts
         return out
 
