@@ -253,8 +253,10 @@ def _worker_trainer(model_dir: str) -> dict:
     out["param_err"] = max_err(p2, p1)
     out["texts_equal"] = t1.last_texts == t2.last_texts
     keys = [k for k in h1[0] if not k.startswith("timing/") and not k.startswith("sync/")]
-    out["metric_err"] = max(abs(a[k] - b[k]) / max(1.0, abs(a[k])) for a, b in zip(h1, h2) for k in keys
-                            if np.isfinite(a[k]))
+    err = {k: max(abs(a[k] - b[k]) / max(1.0, abs(a[k])) for a, b in zip(h1, h2) if np.isfinite(a[k])) for k in keys}
+    out["metric_err"] = max((v for k, v in err.items() if not k.startswith("rollout_corr/")), default=0.0)
+    out["rollout_corr_err"] = max((v for k, v in err.items() if k.startswith("rollout_corr/")), default=0.0)
+    out["engine_devices"] = len(t2.engine.model.model.layers[0].self_attn.q_proj.weight[...].sharding.device_set)
     out["embed_spec"] = str(t2.model.model.embed_tokens.weight[...].sharding.spec)
     return out
 
@@ -459,6 +461,12 @@ def test_trainer_on_a_mesh_with_micro_batches_equals_one_device(tmp_path):
     got = _run_worker("trainer", d, devices=8)
     assert got["texts_equal"], got
     assert got["metric_err"] <= 1e-4, got
+    # the colocated engine runs on the same mesh (tests/test_colocated.py): its tensor-parallel partial sums round
+    # differently in float32, which can move an e4m3 activation (1x128 group quantization) by one step, so the
+    # engine-side metrics (rollout_logprobs -> rollout_corr/*) agree to ~1e-4 (measured 1.2e-4) rather than bit
+    # for bit; 1e-3 is still 200x below the FP8 sync-probe tolerance (0.2 nats/token, fp8rl_jax/rollout/verify.py)
+    assert got["rollout_corr_err"] <= 1e-3, got
+    assert got["engine_devices"] == 8, got
     assert got["param_err"] <= ATOL, got
     assert got["embed_spec"] != "PartitionSpec()", got
 

@@ -113,7 +113,9 @@ class TrainConfig:
         gin-bound ``mesh.shape`` (``MeshConfig``), whose default None means one device (the CPU quickstart's path,
         unchanged). Parameters are sharded at load by the rules of :mod:`fp8rl_jax.parallel.rules`, the optimizer
         state like its parameters, the batch over ``data``/``fsdp``/``expert``; the update donates its buffers.
-        The rollout engine is not sharded by this setting.
+        In one process the embedded engine runs on the same mesh (colocated: the FP8 export, sharded by the same
+        rules, becomes its weights without a gather or a second copy); an engine in other processes (vLLM, Ray,
+        several JAX processes) gets whole tensors.
       micro_batch_size: gradient accumulation: rows per forward/backward inside one optimizer update (maxtext
         ``gradient_accumulation_steps``, tunix ``train_micro_batch_size``); must divide the minibatch
         (``prompts_per_step * samples_per_prompt / num_minibatches``). The loss is normalized by the whole

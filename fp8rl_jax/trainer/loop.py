@@ -125,6 +125,10 @@ class RLTrainer:
         self.export_format = ENGINE_PRECISIONS[config.rollout_precision][2]
         self.step_count = 0
         self._init_kv_cache()
+        # colocated: with a one-process mesh the embedded engine shares the trainer's devices and takes the export
+        # sharded as it comes (no gather to one device, no second full copy of the weights)
+        self._engine_on_mesh = (self.mesh is not None and jax.process_count() == 1 and engine is None
+                                and config.rollout_engine != "vllm")
         t0 = time.perf_counter()
         if engine is None and config.rollout_engine == "vllm":
             from rollout_bridge import make_engine  # lazy: torch/vLLM live only in rollout_bridge
@@ -135,7 +139,8 @@ class RLTrainer:
                                       pad_token_id=self.pad_id, eos_token_ids=self.eos_ids, seed=config.seed,
                                       prompt_bucket=8, kv_cache_dtype=self.kv_cache_dtype,
                                       kv_cache_memory_bytes=config.kv_cache_memory_bytes,
-                                      fp8_attention=config.fp8_attention)
+                                      fp8_attention=config.fp8_attention,
+                                      mesh=self.mesh if self._engine_on_mesh else None)
         else:
             engine.update_weights(self.export())
         self.engine = engine
@@ -333,7 +338,8 @@ class RLTrainer:
 
             full = _replicate(w.tensors, NamedSharding(self.mesh, PartitionSpec()))
             w.tensors = {k: v.addressable_data(0) for k, v in full.items()}
-        elif self.mesh is not None:  # the rollout engine is not sharded (yet): it gets whole tensors on one device
+        elif self.mesh is not None and not getattr(self, "_engine_on_mesh", False):
+            # an engine off the mesh (vLLM, an injected one) gets whole tensors on one device
             w.tensors = jax.device_put(w.tensors, self.mesh.devices.flat[0])
         return w
 
