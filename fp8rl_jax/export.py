@@ -12,6 +12,13 @@ tensor, so the NaN/inf check costs no extra pass over the weights and one small 
 With ``kv_scales`` the per-layer FP8 attention scales ride along under vLLM's checkpoint names
 ``model.layers.{i}.self_attn.{k,v,q}_scale`` (float32 scalars; vLLM's loader maps them to
 ``...self_attn.attn.{k,v,q}_scale``), tagged with ``metadata["kv_scales_version"]``.
+
+With ``fuse=True`` (the embedded FP8 engine's sync, issue 21) the q/k/v and dense gate/up weights whose parts are
+128-row aligned come out fused under vLLM's names (``self_attn.qkv_proj``, ``mlp.gate_up_proj``;
+:mod:`fp8rl_jax.models.fused`), quantized inside the same program straight into the fused buffers
+(:func:`fp8rl_jax.fp8.pallas_quant.quantize_weights_fused`): the same bytes written as the unfused export, no
+concatenation pass afterwards, and the engine installs them without a copy. The default stays unfused: the HF
+checkpoint names every other consumer (vLLM, torch receivers, HF export) reads.
 """
 
 from __future__ import annotations
@@ -26,6 +33,8 @@ from jax import lax
 
 from fp8rl_jax.fp8 import BLOCK_SIZE, quantize_weights_batched
 from fp8rl_jax.fp8.kv_cache import KVScales
+from fp8rl_jax.fp8.pallas_quant import quantize_weights_fused
+from fp8rl_jax.models.fused import FusedProjection, fuse_tensors, fused_names, fused_projections
 from fp8rl_jax.rollout.types import ExportedWeights
 
 EXPORT_FORMATS = ("fp8_blockwise", "bf16", "float32")
@@ -79,30 +88,45 @@ def _nonfinite_present(w: jax.Array) -> jax.Array:
 
 
 
-@functools.partial(jax.jit, static_argnames=("fmt", "block_size", "ue8m0", "unquantized", "check", "stack"))
+def _source_names(names, fused: tuple[FusedProjection, ...]) -> list[str]:
+    """The export's tensor names before ``_scale_inv`` (``sorted``): ``names`` with each fused group's part
+    tensors replaced by the fused ones; the order of :func:`_export`'s ``bad`` flags."""
+    return fused_names(names, fused)
+
+
+@functools.partial(jax.jit, static_argnames=("fmt", "block_size", "ue8m0", "unquantized", "check", "stack",
+                                             "fused"))
 def _export(params: dict, fmt: str, block_size: int, ue8m0: bool, unquantized: tuple = (), check: bool = True,
-            stack: bool = False):
+            stack: bool = False, fused: tuple = ()):
     """The whole export as one XLA program: ``({name: array}, bad)``.
 
-    ``bad`` is a bool ``[len(params)]`` in ``sorted(params)`` order (True: that tensor holds NaN/inf), or None
+    ``bad`` is a bool ``[len(names)]`` in :func:`_source_names` order (True: that tensor holds NaN/inf), or None
     without ``check``. Linears are quantized one call per weight (``stack=False``, no stack/slice copies; see
-    :func:`fp8rl_jax.fp8.quantize_weights_batched`); their finiteness comes from the quantized output (or from
-    the scales where the quantizer propagates NaN into them, the GPU Pallas kernel), dense tensors' from an
-    ``isfinite`` reduction fused with their cast.
+    :func:`fp8rl_jax.fp8.quantize_weights_batched`), each fused group (``fused``) by one
+    :func:`~fp8rl_jax.fp8.pallas_quant.quantize_weights_fused` call that writes the fused buffers directly; their
+    finiteness comes from the quantized output (or from the scales where the quantizer propagates NaN into them,
+    the GPU Pallas kernel), dense tensors' (a fused group's biases: concatenated) from an ``isfinite`` reduction
+    fused with their cast.
     """
     from fp8rl_jax.fp8.pallas_quant import gpu_lowering_available
 
     out, bad = {}, []
     dense = jnp.float32 if fmt == "float32" else jnp.bfloat16
     quantized = {}
+    in_group = {f"{p}.weight" for g in fused for p in g.parts}
     if fmt == "fp8_blockwise":
         linears = {name: w for name, w in params.items()
-                   if is_quantized_linear(name) and not _in_modules(name, unquantized)}
+                   if is_quantized_linear(name) and not _in_modules(name, unquantized) and name not in in_group}
         quantized = (quantize_weights_batched(linears, block_size, ue8m0, check=False, stack=stack)
                      if linears else {})
+        for g in fused:
+            quantized[f"{g.name}.weight"] = quantize_weights_fused([params[f"{p}.weight"] for p in g.parts],
+                                                                   block_size, ue8m0)
+    if fused:  # the groups' other tensors (Qwen2 biases) are concatenated under the fused names, then cast
+        params = fuse_tensors({k: v for k, v in params.items() if k not in in_group}, fused)
     scale_has_nan = gpu_lowering_available()  # the Pallas GPU kernel maps NaN to inf before its block max
-    for name in sorted(params):
-        w = params[name]
+    for name in sorted(set(params) | set(quantized)):
+        w = params.get(name)
         if name in quantized:
             q, s = quantized[name]
             out[name], out[name + "_scale_inv"] = q, s
@@ -117,7 +141,7 @@ def _export(params: dict, fmt: str, block_size: int, ue8m0: bool, unquantized: t
 
 def export_weights(params: dict, fmt: str = "fp8_blockwise", *, block_size: int = BLOCK_SIZE, ue8m0: bool = False,
                    version: int = 0, check_finite: bool = True, kv_scales: KVScales | None = None,
-                   kv_scales_version: int | None = None, unquantized=()) -> ExportedWeights:
+                   kv_scales_version: int | None = None, unquantized=(), fuse: bool = False) -> ExportedWeights:
     """Export HF-named params for a rollout engine.
 
     One compiled XLA program per (names, shapes, dtypes, options), cached by ``jax.jit``: every linear is
@@ -142,24 +166,39 @@ def export_weights(params: dict, fmt: str = "fp8_blockwise", *, block_size: int 
       unquantized: module names (``model.layers.3.self_attn.k_proj``, or a prefix such as
         ``model.layers.3.mlp.experts``) whose linear weights stay bf16 under ``fp8_blockwise``, with
         no ``weight_scale_inv`` (see :func:`fp8_unloadable_linears`).
+      fuse: ``fp8_blockwise`` only (ignored for dense formats, which the bf16/float32 engines run unfused): export
+        every q/k/v and dense gate/up group whose parts are ``block_size``-row aligned and quantized
+        (:func:`fp8rl_jax.models.fused.fused_projections`; a group touching ``unquantized`` stays unfused) as one
+        fused tensor under vLLM's names, ``model.layers.{i}.self_attn.qkv_proj.{weight, weight_scale_inv, bias}``
+        (rows ``[q; k; v]``) and ``model.layers.{i}.mlp.gate_up_proj.{weight, weight_scale_inv}`` (rows
+        ``[gate; up]``), bit-identical to the row concatenation of the unfused tensors and written in place by the
+        quantization (no extra pass). ``metadata["fused_projections"]`` then lists the fused module names. For the
+        embedded FP8 engine (:class:`fp8rl_jax.rollout.engine.JaxRolloutEngine`), not for vLLM (whose loader maps
+        the HF shard names itself).
 
     Returns:
       :class:`ExportedWeights` (device arrays; no host copy), ``tensors`` in sorted name order.
 
     Raises:
-      ValueError: unknown ``fmt``, or a non-finite weight (the first five bad names).
+      ValueError: unknown ``fmt``, or a non-finite weight (the first five bad names; fused names when fused).
     """
     if fmt not in EXPORT_FORMATS:
         raise ValueError(f"unknown export format {fmt!r}; expected one of {EXPORT_FORMATS}")
     params = dict(params)
-    tensors, bad = _export(params, fmt, block_size, ue8m0, tuple(sorted(unquantized)), bool(check_finite))
+    unq = tuple(sorted(unquantized))
+    fused: tuple[FusedProjection, ...] = ()
+    if fuse and fmt == "fp8_blockwise":
+        fused = fused_projections({k: tuple(v.shape) for k, v in params.items()}, block_size, exclude=unq)
+    tensors, bad = _export(params, fmt, block_size, ue8m0, unq, bool(check_finite), fused=fused)
     if check_finite and bad is not None and not isinstance(bad, jax.core.Tracer):
         flags = np.asarray(jax.device_get(bad))
         if flags.any():
-            names = sorted(params)
+            names = _source_names(params, fused)
             raise ValueError(f"refusing to export non-finite weights: {[names[i] for i in np.flatnonzero(flags)[:5]]} "
                              "contain NaN or inf")
     metadata = {"ue8m0": ue8m0}
+    if fused:
+        metadata["fused_projections"] = tuple(g.name for g in fused)
     if kv_scales is not None:
         scale_tensors = kv_scales.to_tensors()
         clash = sorted(set(scale_tensors) & set(tensors))

@@ -117,16 +117,29 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.A
 
 
 class Attention(nnx.Module):
-    """GQA self-attention with optional q/k/v bias (Qwen2) and q/k RMSNorm (Qwen3)."""
+    """GQA self-attention with optional q/k/v bias (Qwen2) and q/k RMSNorm (Qwen3).
 
-    def __init__(self, cfg: ModelConfig, *, linear_precision: str, param_dtype, dtype, rngs: nnx.Rngs):
+    With ``fuse_qkv`` (the FP8 rollout engine, :mod:`fp8rl_jax.models.fused`) q/k/v are one ``qkv_proj``
+    :class:`Linear` ``[(H + 2 H_kv) * D, hidden]`` with rows ``[q; k; v]`` (vLLM's ``QKVParallelLinear``): one W8A8
+    product per step, the activation quantized once, split after the product; each column's product is the unfused
+    one's (every part's rows a multiple of 128), so the results are the same.
+    """
+
+    def __init__(self, cfg: ModelConfig, *, linear_precision: str, param_dtype, dtype, rngs: nnx.Rngs,
+                 fuse_qkv: bool = False):
         h, d = cfg.hidden_size, cfg.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim, self.dtype = (
             cfg.num_attention_heads, cfg.num_key_value_heads, d, dtype)
         lin = dict(precision=linear_precision, param_dtype=param_dtype, dtype=dtype, rngs=rngs)
-        self.q_proj = Linear(h, cfg.num_attention_heads * d, use_bias=cfg.attention_bias, **lin)
-        self.k_proj = Linear(h, cfg.num_key_value_heads * d, use_bias=cfg.attention_bias, **lin)
-        self.v_proj = Linear(h, cfg.num_key_value_heads * d, use_bias=cfg.attention_bias, **lin)
+        if fuse_qkv:
+            self.qkv_proj = Linear(h, (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * d,
+                                   use_bias=cfg.attention_bias, **lin)
+            self.q_proj = self.k_proj = self.v_proj = None
+        else:
+            self.q_proj = Linear(h, cfg.num_attention_heads * d, use_bias=cfg.attention_bias, **lin)
+            self.k_proj = Linear(h, cfg.num_key_value_heads * d, use_bias=cfg.attention_bias, **lin)
+            self.v_proj = Linear(h, cfg.num_key_value_heads * d, use_bias=cfg.attention_bias, **lin)
+            self.qkv_proj = None
         self.o_proj = Linear(cfg.num_attention_heads * d, h, use_bias=False, **lin)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps, param_dtype)
@@ -182,9 +195,14 @@ class Attention(nnx.Module):
           ValueError: an e4m3 cache without ``k_scale``/``v_scale``.
         """
         b, s, _ = x.shape
-        q = checkpoint_name(self.q_proj(x), QUERY_PROJ).reshape(b, s, self.num_heads, self.head_dim)
-        k = checkpoint_name(self.k_proj(x), KEY_PROJ).reshape(b, s, self.num_kv_heads, self.head_dim)
-        v = checkpoint_name(self.v_proj(x), VALUE_PROJ).reshape(b, s, self.num_kv_heads, self.head_dim)
+        if self.qkv_proj is not None:  # fused [q; k; v] rows: one product, split by columns
+            nq, nkv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+            q, k, v = jnp.split(self.qkv_proj(x), [nq, nq + nkv], axis=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = checkpoint_name(q, QUERY_PROJ).reshape(b, s, self.num_heads, self.head_dim)
+        k = checkpoint_name(k, KEY_PROJ).reshape(b, s, self.num_kv_heads, self.head_dim)
+        v = checkpoint_name(v, VALUE_PROJ).reshape(b, s, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
@@ -239,18 +257,21 @@ class DecoderLayer(nnx.Module):
 
     ``layer_idx`` selects the MLP: a Qwen3-MoE sparse layer (``cfg.is_sparse_layer(layer_idx)``) gets a
     :class:`fp8rl_jax.models.moe.SparseMoeBlock` (router ``mlp.gate`` + ``mlp.experts.{j}.*``), every other
-    layer the dense SwiGLU :class:`MLP` (HF ``Qwen3MoeDecoderLayer``).
+    layer the dense SwiGLU :class:`MLP` (HF ``Qwen3MoeDecoderLayer``). ``fuse_qkv`` / ``fuse_gate_up``: the
+    fused ``self_attn.qkv_proj`` / ``mlp.gate_up_proj`` of the FP8 rollout engine (:mod:`fp8rl_jax.models.fused`;
+    a sparse layer's experts are never fused here).
     """
 
-    def __init__(self, cfg: ModelConfig, layer_idx: int = 0, **kw):
+    def __init__(self, cfg: ModelConfig, layer_idx: int = 0, *, fuse_qkv: bool = False, fuse_gate_up: bool = False,
+                 **kw):
         pd = kw["param_dtype"]
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, pd)
-        self.self_attn = Attention(cfg, **kw)
+        self.self_attn = Attention(cfg, fuse_qkv=fuse_qkv, **kw)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, pd)
         if cfg.is_sparse_layer(layer_idx):
             self.mlp = SparseMoeBlock(cfg, **kw)
         else:
-            self.mlp = MLP(cfg, **kw)
+            self.mlp = MLP(cfg, fuse_gate_up=fuse_gate_up, **kw)
 
     def __call__(self, x, positions, inv_freq, kv_mask, q_slots, cache_kv=None, cache_index=None, replay_ids=None):
         """One block: ``(x [B, S, hidden], new_kv or None, router_ids [B, S, k] int32 or None)``.
@@ -295,9 +316,15 @@ class Embedding(nnx.Module):
 class DecoderModel(nnx.Module):
     """The ``model.`` trunk: ``embed_tokens``, ``layers``, ``norm``."""
 
-    def __init__(self, cfg: ModelConfig, **kw):
+    def __init__(self, cfg: ModelConfig, *, fused_projections=(), **kw):
+        from fp8rl_jax.models.fused import layer_fusion
+
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, kw["param_dtype"], kw["rngs"])
-        self.layers = nnx.List([DecoderLayer(cfg, i, **kw) for i in range(cfg.num_hidden_layers)])
+        layers = []
+        for i in range(cfg.num_hidden_layers):
+            fuse_qkv, fuse_gate_up = layer_fusion(fused_projections, i)
+            layers.append(DecoderLayer(cfg, i, fuse_qkv=fuse_qkv, fuse_gate_up=fuse_gate_up, **kw))
+        self.layers = nnx.List(layers)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kw["param_dtype"])
 
 
@@ -320,19 +347,31 @@ class CausalLM(nnx.Module):
         ``[num_layers, ...]`` arrays (a copy of the layer weights inside the compiled step, and the backward
         pass un-stacks the gradients: see :meth:`hidden_states`). Layers whose structure differs (a Qwen3-MoE
         dense + sparse mix) fall back to the Python loop. May be reassigned later.
+      fuse_projections: FP8 only (the rollout engine): run every q/k/v and dense gate/up group that
+        :func:`fp8rl_jax.models.fused.fused_projections` allows for ``cfg`` (each part's rows a multiple of 128) as one
+        fused linear, vLLM's ``qkv_proj`` / ``gate_up_proj`` (rows ``[q; k; v]`` / ``[gate; up]``). The NNX state
+        then holds the fused names; :func:`named_params` still returns, and :func:`load_named_params` still accepts,
+        the HF names (split / concatenated), and load also takes the fused names as they are. Listed in
+        :attr:`fused_projections`.
 
     Raises:
-      ValueError: an unknown ``remat_policy`` (naming it and the valid ones).
+      ValueError: an unknown ``remat_policy`` (naming it and the valid ones); ``fuse_projections`` with a dense
+        ``linear_precision``.
     """
 
     def __init__(self, cfg: ModelConfig, *, linear_precision: str = "dense", param_dtype=jnp.float32,
                  dtype=jnp.float32, rngs: nnx.Rngs | None = None, remat_policy: str = "none",
-                 scan_layers: bool = False):
+                 scan_layers: bool = False, fuse_projections: bool = False):
         rngs = rngs if rngs is not None else nnx.Rngs(0)
         self.config, self.dtype, self.linear_precision = cfg, dtype, linear_precision
         self.remat_policy, self.scan_layers = validate_remat_policy(remat_policy), bool(scan_layers)
+        if fuse_projections and linear_precision != "fp8":
+            raise ValueError(f"fuse_projections=True needs linear_precision='fp8' (the FP8 rollout engine), got "
+                             f"{linear_precision!r}")
+        # the fused q/k/v and gate/up groups (static: a tuple of frozen dataclasses, part of the graphdef)
+        self.fused_projections = fused_projections_for(cfg) if fuse_projections else ()
         kw = dict(linear_precision=linear_precision, param_dtype=param_dtype, dtype=dtype, rngs=rngs)
-        self.model = DecoderModel(cfg, **kw)
+        self.model = DecoderModel(cfg, fused_projections=self.fused_projections, **kw)
         if not cfg.tie_word_embeddings:
             self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, precision="dense", param_dtype=param_dtype,
                                   dtype=dtype, rngs=rngs)
@@ -578,9 +617,28 @@ def param_name(path: tuple) -> str:
     return ".".join(str(p) for p in path)
 
 
+def fused_projections_for(cfg: ModelConfig) -> tuple:
+    """The fused q/k/v and gate/up groups of an FP8 model of ``cfg`` (:func:`fp8rl_jax.models.fused.fused_projections`
+    of :func:`fp8rl_jax.models.config.hf_param_shapes`, 128-row blocks)."""
+    from fp8rl_jax.models.config import hf_param_shapes
+    from fp8rl_jax.models.fused import fused_projections
+
+    return fused_projections(hf_param_shapes(cfg))
+
+
 def named_params(model: nnx.Module) -> dict[str, jax.Array]:
-    """All parameters as ``{hf_name: array}`` (arrays are the live values, not copies)."""
-    return {param_name(p): v[...] for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+    """All parameters as ``{hf_name: array}`` (arrays are the live values, not copies).
+
+    A model with fused projections (``CausalLM(fuse_projections=True)``) returns its fused tensors under the HF
+    names of their parts, as row slices (copies): the checkpoint naming, whatever the model stores.
+    """
+    out = {param_name(p): v[...] for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+    fused = getattr(model, "fused_projections", ())
+    if fused:
+        from fp8rl_jax.models.fused import split_tensors
+
+        out = split_tensors(out, fused)
+    return out
 
 
 def load_named_params(model: nnx.Module, params: dict[str, Any], *, strict_extra: bool = False,
@@ -590,7 +648,10 @@ def load_named_params(model: nnx.Module, params: dict[str, Any], *, strict_extra
     Args:
       model: a :class:`CausalLM` (dense or fp8).
       params: HF-named arrays (numpy or jax). Extra names that HF checkpoints commonly carry
-        (``rotary_emb.inv_freq``; ``lm_head.weight`` of a tied model) are ignored.
+        (``rotary_emb.inv_freq``; ``lm_head.weight`` of a tied model) are ignored. For a model with fused
+        projections each fused tensor is taken as it is when ``params`` has it under the fused name
+        (``...self_attn.qkv_proj.weight``), else concatenated from its parts' HF names
+        (:func:`fp8rl_jax.models.fused.fuse_tensors`).
       strict_extra: raise on any other unexpected name instead of ignoring it.
       cast: cast each array to the parameter's dtype (e.g. float32 checkpoint -> bfloat16 params).
 
@@ -598,6 +659,16 @@ def load_named_params(model: nnx.Module, params: dict[str, Any], *, strict_extra
       KeyError: a parameter the model needs is missing (all missing names listed).
       ValueError: a shape mismatch (name, expected and got shapes) or an unexpected name with ``strict_extra``.
     """
+    fused = getattr(model, "fused_projections", ())
+    if fused:  # each fused tensor as given, or concatenated from its parts' HF names
+        from fp8rl_jax.models.fused import FUSED_SUFFIXES, fuse_tensors
+
+        todo = [g for g in fused if f"{g.name}.weight" not in params]
+        missing = [f"{p}.weight" for g in todo for p in g.parts if f"{p}.weight" not in params]
+        if missing:
+            raise KeyError(f"checkpoint is missing {len(missing)} parameter(s) the model needs, e.g. {missing[:5]}")
+        parts = {f"{p}.{x}" for g in todo for p in g.parts for x in FUSED_SUFFIXES}
+        params = fuse_tensors({k: jnp.asarray(v) if k in parts else v for k, v in params.items()}, todo)
     state = nnx.state(model, nnx.Param)
     flat = list(nnx.to_flat_state(state))
     want = {param_name(p): v for p, v in flat}

@@ -79,16 +79,31 @@ class MLP(nnx.Module):
     ``gate_proj``/``up_proj`` are ``[I, hidden]`` and ``down_proj`` ``[hidden, I]`` :class:`Linear` layers (dense
     or FP8 blockwise), with ``I = intermediate_size`` (default ``cfg.intermediate_size``; a Qwen3-MoE expert
     passes ``cfg.moe_intermediate_size``, giving the checkpoint names ``mlp.experts.{j}.{gate,up,down}_proj``).
+
+    With ``fuse_gate_up`` (the FP8 rollout engine, :mod:`fp8rl_jax.models.fused`) gate and up are one
+    ``gate_up_proj`` :class:`Linear` ``[2I, hidden]`` with rows ``[gate; up]`` (vLLM's
+    ``MergedColumnParallelLinear``): one W8A8 product, the activation quantized once, split after the product.
+    Each output column's product is the unfused one's (``I`` is a multiple of 128, so no weight block spans both),
+    so the results are the same (bit for bit on CPU, tested).
     """
 
     def __init__(self, cfg: ModelConfig, *, intermediate_size: int | None = None, linear_precision: str,
-                 param_dtype, dtype, rngs: nnx.Rngs):
+                 param_dtype, dtype, rngs: nnx.Rngs, fuse_gate_up: bool = False):
         inter = cfg.intermediate_size if intermediate_size is None else intermediate_size
         lin = dict(precision=linear_precision, param_dtype=param_dtype, dtype=dtype, rngs=rngs)
-        self.gate_proj = Linear(cfg.hidden_size, inter, **lin)
-        self.up_proj = Linear(cfg.hidden_size, inter, **lin)
+        if fuse_gate_up:
+            self.gate_up_proj = Linear(cfg.hidden_size, 2 * inter, **lin)
+            self.gate_proj = self.up_proj = None
+        else:
+            self.gate_proj = Linear(cfg.hidden_size, inter, **lin)
+            self.up_proj = Linear(cfg.hidden_size, inter, **lin)
+            self.gate_up_proj = None
         self.down_proj = Linear(inter, cfg.hidden_size, **lin)
 
     def __call__(self, x):
         """``x [..., hidden] -> [..., hidden]``."""
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_proj is not None:
+            gate, up = jnp.split(self.gate_up_proj(x), 2, axis=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(jax.nn.silu(gate) * up)

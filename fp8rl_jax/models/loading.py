@@ -33,23 +33,24 @@ def as_dtype(name_or_dtype: Any):
 
 def build_model(cfg: ModelConfig, params: dict[str, Any] | None = None, *, linear_precision: str = "dense",
                 param_dtype="float32", dtype="float32", seed: int = 0, remat_policy: str = "none",
-                scan_layers: bool = False) -> CausalLM:
+                scan_layers: bool = False, fuse_projections: bool = False) -> CausalLM:
     """A :class:`CausalLM` for ``cfg``, filled with ``params`` (``{hf_name: array}``) when given.
 
     Without ``params`` the weights are randomly initialised (normal(0.02), norms 1) from ``seed``.
     With ``params`` no random init is materialised (the module is built abstractly, then filled).
     ``remat_policy`` and ``scan_layers`` are :class:`CausalLM`'s (training-forward memory knobs; parameter
-    names and layout do not depend on them).
+    names and layout do not depend on them). ``fuse_projections`` (FP8 only) builds the rollout engine's fused
+    ``qkv_proj`` / ``gate_up_proj`` (:mod:`fp8rl_jax.models.fused`); ``params`` may then name them either way.
 
     Raises:
       KeyError / ValueError: from :func:`load_named_params` (missing names, shape mismatch); ValueError for an
-        unknown ``remat_policy``.
+        unknown ``remat_policy``, or ``fuse_projections`` with a dense ``linear_precision``.
     """
     pd, dt = as_dtype(param_dtype), as_dtype(dtype)
 
     def make():
         return CausalLM(cfg, linear_precision=linear_precision, param_dtype=pd, dtype=dt, rngs=nnx.Rngs(seed),
-                        remat_policy=remat_policy, scan_layers=scan_layers)
+                        remat_policy=remat_policy, scan_layers=scan_layers, fuse_projections=fuse_projections)
 
     if params is None:
         return make()

@@ -6,7 +6,12 @@ left-padded to a bucket of ``prompt_bucket`` tokens; RoPE positions start at eac
 padded row computes exactly what it would alone.
 
 Weights are bf16/float32 dense or FP8 W8A8 blockwise (``precision``), and are replaced in place by
-:meth:`JaxRolloutEngine.update_weights` from the trainer's :class:`ExportedWeights` each step.
+:meth:`JaxRolloutEngine.update_weights` from the trainer's :class:`ExportedWeights` each step. An FP8 engine runs
+q/k/v and a dense MLP's gate/up as vLLM's fused ``qkv_proj`` / ``gate_up_proj`` wherever their 128-row blocks
+allow (:mod:`fp8rl_jax.models.fused`; issue 21): one W8A8 product (on CUDA one launch of the split-K decode kernel)
+per fused group and decode step, the activation quantized once. It takes the weights fused
+(``export_weights(fuse=True)``, what the trainer sends it: installed without a copy) or under the HF names (fused by
+one concatenation program on load).
 
 The KV cache is kept in the model dtype (``kv_cache_dtype="auto"``) or in e4m3 (``"fp8_e4m3"``, vLLM semantics:
 per-layer scalar ``k_scale``/``v_scale`` dequantization multipliers, optional ``q_scale`` FP8 attention). The
@@ -32,12 +37,29 @@ from fp8rl_jax.fp8.kv_cache import (DEFAULT_BLOCK_SIZE, KVCacheCapacity, KVScale
                                     normalize_kv_cache_dtype)
 from fp8rl_jax.models.config import ModelConfig
 from fp8rl_jax.models.decoder import KVCache, left_pad, param_name, positions_from_mask
+from fp8rl_jax.models.fused import fuse_tensors, split_names, split_tensors
 from fp8rl_jax.models.loading import build_model
 from fp8rl_jax.rollout.sampling import sample_tokens
 from fp8rl_jax.rollout.types import ExportedWeights, RolloutBatch, SamplingParams, check_prompt_token_ids
 
 ENGINE_PRECISIONS = {"fp8": ("fp8", "bfloat16", "fp8_blockwise"), "bf16": ("dense", "bfloat16", "bf16"),
                      "float32": ("dense", "float32", "float32")}
+
+
+def engine_fuses_projections(precision: str, mesh=None, fuse_projections: bool = True) -> bool:
+    """Whether a :class:`JaxRolloutEngine` with these arguments runs fused ``qkv_proj`` / ``gate_up_proj``.
+
+    True for an FP8 engine on one device: the fused rows ``[q; k; v]`` have no head-aligned split over a mesh's
+    ``tensor`` axis (vLLM's TP layout interleaves them per rank, :mod:`fp8rl_jax.export_tp`), so an engine on a mesh
+    stays unfused, as do the bf16/float32 engines. Which groups fuse then depends on the config
+    (:func:`fp8rl_jax.models.fused.fused_projections`). A trainer asks this to export its sync fused.
+
+    Raises:
+      ValueError: unknown precision.
+    """
+    if precision not in ENGINE_PRECISIONS:
+        raise ValueError(f"unknown rollout precision {precision!r}; expected one of {sorted(ENGINE_PRECISIONS)}")
+    return bool(fuse_projections) and ENGINE_PRECISIONS[precision][0] == "fp8" and mesh is None
 
 
 class StaleWeightsError(RuntimeError):
@@ -96,6 +118,10 @@ class JaxRolloutEngine:
         rules of :mod:`fp8rl_jax.parallel.rules` (attention heads, MLP and vocab over ``tensor``, ``embed`` over
         ``fsdp``), prompts split over ``data`` when it divides the batch; the KV cache follows the k/v projections
         (sharded by KV head). Greedy decoding equals the one-device engine's token for token (tested, float32).
+      fuse_projections: FP8 on one device (:func:`engine_fuses_projections`): run q/k/v and dense gate/up as vLLM's
+        fused ``qkv_proj`` / ``gate_up_proj`` where every part's rows are a multiple of 128
+        (:attr:`fused_projections` lists them; the others stay separate). Same greedy tokens and logprobs as the
+        unfused engine (bit for bit on CPU, tested). ``weights`` may then be fused or under the HF names.
 
     Raises:
       ValueError: unknown precision or kv_cache_dtype, weights in the wrong format, ``fp8_attention`` without an
@@ -107,7 +133,7 @@ class JaxRolloutEngine:
                  prompt_bucket: int = 16, seed: int = 0, kv_cache_dtype: str = "auto",
                  kv_cache_memory_bytes: int | None = None, fp8_attention: bool = False,
                  max_model_len: int | None = None, kv_block_size: int = DEFAULT_BLOCK_SIZE,
-                 log_kv_cache: bool = True, mesh=None):
+                 log_kv_cache: bool = True, mesh=None, fuse_projections: bool = True):
         if precision not in ENGINE_PRECISIONS:
             raise ValueError(f"unknown rollout precision {precision!r}; expected one of {sorted(ENGINE_PRECISIONS)}")
         self.config, self.precision = config, precision
@@ -118,7 +144,10 @@ class JaxRolloutEngine:
         self.fp8_attention = bool(fp8_attention)
         self._check_format(weights)
         params = {k: v for k, v in weights.tensors.items() if not is_kv_scale_name(k)}
-        self.model = build_model(config, params, linear_precision=linear, param_dtype=dtype, dtype=dtype)
+        self.model = build_model(config, params, linear_precision=linear, param_dtype=dtype, dtype=dtype,
+                                 fuse_projections=engine_fuses_projections(precision, mesh, fuse_projections))
+        #: the fused q/k/v and gate/up groups this engine runs (:class:`fp8rl_jax.models.fused.FusedProjection`)
+        self.fused_projections = self.model.fused_projections
         self.cache_dtype = kv_cache_storage_dtype(self.kv_cache_dtype, dtype)
         # tensor-parallel serving (issue 19): weights placed on ``mesh`` by the rules of fp8rl_jax.parallel.rules
         # (heads / MLP / vocab over ``tensor``), the batch over ``data``; XLA's sharding propagation places the KV
@@ -127,6 +156,7 @@ class JaxRolloutEngine:
         self.sharding_plan = None
         self._place_on_mesh()
         self._names = {param_name(p): v for p, v in nnx.to_flat_state(nnx.state(self.model, nnx.Param))}
+        self._hf_names = set(split_names(self._names, self.fused_projections))
         self.weights_version = weights.version
         self.kv_scales: KVScales | None = None
         self.kv_scales_version = -1
@@ -216,19 +246,31 @@ class JaxRolloutEngine:
     def update_weights(self, weights: ExportedWeights) -> None:
         """Replace all weights (and, when present, the kv scales) in place (no host round trip).
 
+        With :attr:`fused_projections` the weights may come fused (``export_weights(fuse=True)``: each array is
+        installed as it is, no copy) or under the HF names (each group's parts are concatenated by one jitted
+        program: a copy of those tensors).
+
         Raises:
           ValueError: wrong format, missing/unexpected names, a shape/dtype mismatch, or malformed kv scales
             (named).
         """
         t0 = time.perf_counter()
         self._check_format(weights)
-        got, want = {k for k in weights.tensors if not is_kv_scale_name(k)}, set(self._names)
+        tensors = weights.tensors
+        got, want = {k for k in tensors if not is_kv_scale_name(k)}, set(self._names)
+        hf_naming = bool(got & (self._hf_names - want))  # the weights name the parts of a fused group
+        if hf_naming:
+            want = self._hf_names
         if got != want:
             raise ValueError(f"weight names do not match the engine: missing {sorted(want - got)[:5]}, "
                              f"unexpected {sorted(got - want)[:5]}")
+        if hf_naming:  # concatenate each fused group's parts (one jitted program; a copy of those tensors)
+            parts = want - set(self._names)
+            tensors = {**{k: v for k, v in tensors.items() if k not in parts},
+                       **_fuse_jit({k: tensors[k] for k in parts}, groups=self.fused_projections)}
         self._apply_kv_scales(weights)  # before touching weights: malformed scales leave the engine unchanged
         for name, var in self._names.items():
-            new = weights.tensors[name]
+            new = tensors[name]
             old = var[...]
             if tuple(new.shape) != tuple(old.shape):
                 raise ValueError(f"shape mismatch for {name}: engine has {tuple(old.shape)}, update has {tuple(new.shape)}")
@@ -349,6 +391,14 @@ class JaxRolloutEngine:
                                *scales, cache_dtype=self.cache_dtype))
         return [lp[i, :len(c)].astype(np.float32) for i, c in enumerate(conts)]
 
+    def named_weights(self) -> dict[str, jax.Array]:
+        """The served weights under the HF checkpoint names, ``{hf_name: array}`` (what an unfused export names).
+
+        Unfused tensors are the live arrays; each fused ``qkv_proj`` / ``gate_up_proj`` tensor is returned as its
+        parts' row slices (copies). For checks and digests; ``update_weights`` takes either naming.
+        """
+        return split_tensors({k: v[...] for k, v in self._names.items()}, self.fused_projections)
+
     def served_kv_scales(self) -> np.ndarray | None:
         """The ``k_scale``/``v_scale`` the engine uses, float32 ``[num_layers, 2]`` (None without scales)."""
         if self.kv_scales is None:
@@ -359,6 +409,10 @@ class JaxRolloutEngine:
         """Drop the weights and compiled programs."""
         self.state = None
         self._names = {}
+
+
+# the engine's load program for weights that arrive under the HF names: each group's row concatenation
+_fuse_jit = jax.jit(fuse_tensors, static_argnames=("groups",))
 
 
 @functools.partial(jax.jit, static_argnames=("cache_dtype",))

@@ -36,7 +36,7 @@ from fp8rl_jax.models.loading import build_model, load_checkpoint, load_tokenize
 from fp8rl_jax.parallel.loading import build_sharded_model, shard_optimizer
 from fp8rl_jax.parallel.mesh import MeshConfig, format_mesh_shape, mesh_from, mesh_shape_of
 from fp8rl_jax.rollout import verify
-from fp8rl_jax.rollout.engine import ENGINE_PRECISIONS, JaxRolloutEngine
+from fp8rl_jax.rollout.engine import ENGINE_PRECISIONS, JaxRolloutEngine, engine_fuses_projections
 from fp8rl_jax.rollout.types import RolloutEngine, SamplingParams
 from fp8rl_jax.trainer.offload import HOST as OFFLOAD_MEMORY, move_optimizer_state
 from fp8rl_jax.trainer.checkpoint import (CheckpointStore, load_model_state, load_optimizer_state, model_state,
@@ -52,6 +52,12 @@ from fp8rl_jax.trainer.validation import prepare_run_dir
 
 _ADVANTAGES = {"grpo": objectives.grpo_advantages, "drgrpo": objectives.drgrpo_advantages,
                "rloo": objectives.rloo_advantages}
+
+
+def _fuses(engine) -> bool:
+    """Whether ``engine`` serves fused ``qkv_proj`` / ``gate_up_proj`` (then the trainer's sync exports them fused;
+    any other engine, vLLM included, gets the HF names)."""
+    return bool(getattr(engine, "fused_projections", ()))
 
 
 def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
@@ -135,14 +141,16 @@ class RLTrainer:
 
             engine = make_engine(config, model_cfg, self.export(), pad_token_id=self.pad_id, eos_token_ids=self.eos_ids)
         elif engine is None:
-            engine = JaxRolloutEngine(model_cfg, self.export(), precision=config.rollout_precision,
+            # the FP8 engine runs fused qkv_proj / gate_up_proj: export them fused (no concatenation on load)
+            fuse = engine_fuses_projections(config.rollout_precision, self.mesh if self._engine_on_mesh else None)
+            engine = JaxRolloutEngine(model_cfg, self.export(fuse=fuse), precision=config.rollout_precision,
                                       pad_token_id=self.pad_id, eos_token_ids=self.eos_ids, seed=config.seed,
                                       prompt_bucket=8, kv_cache_dtype=self.kv_cache_dtype,
                                       kv_cache_memory_bytes=config.kv_cache_memory_bytes,
                                       fp8_attention=config.fp8_attention,
                                       mesh=self.mesh if self._engine_on_mesh else None)
         else:
-            engine.update_weights(self.export())
+            engine.update_weights(self.export(fuse=_fuses(engine)))
         self.engine = engine
         self.init_sync_s = time.perf_counter() - t0
         self.moe_layers = tuple(i for i in range(model_cfg.num_hidden_layers) if model_cfg.is_sparse_layer(i))
@@ -232,7 +240,7 @@ class RLTrainer:
         if it is not None:  # the batch stream is a pure function of (dataset, batch size, seed, position)
             self.batches = self.dataset.iterate_batches(it["batch_size"], it["seed"], start_index=it["position"],
                                                         shuffle=it.get("shuffle", True))
-        self.engine.update_weights(self.export())
+        self.engine.update_weights(self.export(fuse=_fuses(self.engine)))
         self._verify_after_sync()
         return self.step_count
 
@@ -312,8 +320,12 @@ class RLTrainer:
         warnings.warn(msg, RuntimeWarning, stacklevel=2)
 
     # -- pieces -------------------------------------------------------------------------------------------
-    def export(self):
+    def export(self, fuse: bool = False):
         """The current params as :class:`ExportedWeights` in the engine's format (version = step count).
+
+        Under the HF checkpoint names, or with ``fuse`` (what the trainer's own syncs pass for an engine that runs
+        fused projections, :attr:`fp8rl_jax.rollout.engine.JaxRolloutEngine.fused_projections`) with q/k/v and
+        gate/up fused as vLLM's ``qkv_proj`` / ``gate_up_proj`` (:func:`fp8rl_jax.export.export_weights`).
 
         With ``kv_cache_dtype="fp8_e4m3"`` the q/k/v maxima captured by this step's training forward(s) are
         turned into new per-layer ``k_scale``/``v_scale``/``q_scale`` here (tagged with this version) and ride
@@ -330,7 +342,7 @@ class RLTrainer:
         if reader is None or reader.model is not self.model:
             reader = self._export_reader = ModelParamsReader(self.model)
         w = export_weights(reader(), self.export_format, version=self.step_count, kv_scales=kv,
-                           kv_scales_version=self.kv_scales_version if kv is not None else None)
+                           kv_scales_version=self.kv_scales_version if kv is not None else None, fuse=fuse)
         if self.mesh is not None and jax.process_count() > 1:
             # multi-process: gather each tensor (replicated over the mesh, one collective program), then hand this
             # process's engine its local copy
@@ -579,7 +591,7 @@ class RLTrainer:
 
         self.step_count += 1
         t0 = time.perf_counter()
-        self.engine.update_weights(self.export())
+        self.engine.update_weights(self.export(fuse=_fuses(self.engine)))
         jax.block_until_ready(jax.tree.leaves(getattr(self.engine, "state", None) or [0]))
         t_sync = time.perf_counter() - t0
         t0 = time.perf_counter()
