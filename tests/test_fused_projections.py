@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import re
+from dataclasses import replace as dataclasses_replace
 
 import jax
 import jax.numpy as jnp
@@ -31,7 +32,7 @@ import fp8_numpy_ref as ref
 from fp8rl_jax.export import _export, export_weights
 from fp8rl_jax.fp8 import formats, quantize_activation_groupwise, w8a8_block_matmul
 from fp8rl_jax.fp8.pallas_decode import fused_w8a8_decode_matmul
-from fp8rl_jax.fp8.pallas_quant import quantize_weights_fused
+from fp8rl_jax.fp8.pallas_quant import gpu_lowering_available, quantize_weights_fused
 from fp8rl_jax.models.config import ModelConfig, hf_param_shapes
 from fp8rl_jax.models.decoder import KVCache, named_params, qkv_absmax_from_intermediates, set_qkv_capture
 from fp8rl_jax.models.fused import fused_projections, split_tensors, unfused_projections
@@ -425,3 +426,43 @@ def test_trainer_sync_installs_the_fused_export_without_a_copy(tmp_path):
     assert set(got) == set(hf.tensors)
     for name, arr in hf.tensors.items():
         np.testing.assert_array_equal(_u8(got[name]), _u8(arr), err_msg=name)
+
+
+# -- on a CUDA GPU (skipped without one; benchmarks/run_gpu.sh runs it) -----------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not gpu_lowering_available(), reason="needs a CUDA GPU (none on this machine)")
+def test_on_gpu_fused_export_and_engine():
+    """On the GPU, at Qwen3-0.6B widths (2 layers, random weights):
+
+    - the fused export (per-part Pallas kernels writing one aliased buffer) is the unfused export concatenated, bit
+      for bit (each part's kernel writes its own rows; nothing else touches the buffer);
+    - the fused engine scores like the unfused one. Not bit for bit here: each fused linear runs one split-K decode
+      launch whose split factor is chosen for the fused N (``choose_splits``), so the float32 additions of K-block
+      partials are grouped differently from the parts' launches (a few float32 ulps, < 1e-6 relative, see
+      test_fp8_decode.py). That is far below bf16's rounding step (2**-9), so the bf16 activations differ only where
+      a value sits on a rounding boundary; the teacher-forced logprobs must then agree to well under the 0.01-nat
+      level of one bf16 rounding of the activations through a model (verify.PROBE_TOLERANCE's bf16 measurement).
+    """
+    from fp8rl_jax.models.presets import qwen3_config
+
+    gpu = jax.devices("gpu")[0]
+    cfg = dataclasses_replace(qwen3_config("0.6b"), num_hidden_layers=2)
+    with jax.default_device(gpu):
+        params = named_params(build_model(cfg, seed=0, param_dtype=jnp.bfloat16))
+        unfused = export_weights(params, "fp8_blockwise")
+        fused = export_weights(params, "fp8_blockwise", fuse=True)
+        groups = fused_projections(hf_param_shapes(cfg))
+        assert len(groups) == 4
+        for name, arr in split_tensors(fused.tensors, groups).items():
+            np.testing.assert_array_equal(_u8(arr), _u8(unfused.tensors[name]), err_msg=name)
+        engines = [JaxRolloutEngine(cfg, w, fuse_projections=f, log_kv_cache=False)
+                   for w, f in ((unfused, False), (fused, True))]
+        rng = np.random.default_rng(0)
+        prompts = [list(map(int, rng.integers(0, 150000, 24))), list(map(int, rng.integers(0, 150000, 9)))]
+        conts = [list(map(int, rng.integers(0, 150000, 8))), list(map(int, rng.integers(0, 150000, 5)))]
+        a, b = (np.concatenate(e.score(prompts, conts)) for e in engines)
+        assert np.isfinite(b).all() and np.mean(np.abs(a - b)) < 1e-2, (a, b)
+        rb = engines[1].generate(prompts, SamplingParams(n=2, max_tokens=8, seed=0))
+        assert rb.response_token_ids.shape == (4, 8) and np.isfinite(rb.rollout_logprobs).all()
