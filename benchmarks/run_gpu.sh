@@ -4,7 +4,8 @@
 # Run from the repository root of a clean copy of the tracked files, with a python3 that has jax[cuda], flax,
 # optax, ml_dtypes, pytest (and torch for the weight-sync benchmark); no package registry, no model asset needed:
 #   bash benchmarks/run_gpu.sh                          # all stages
-#   bash benchmarks/run_gpu.sh tests quant              # some of: tests quant matmul rollout rollout_moe profile sync
+#   bash benchmarks/run_gpu.sh tests quant              # some of: tests quant matmul rollout rollout_moe
+#                                                       #   kv_attention profile sync
 # Stages:
 #   tests   the GPU tests (pytest -m gpu: Pallas kernels vs the float64-numpy/ml_dtypes reference bit for bit, the
 #           FP8 GEMM vs float64 at M = 1, 3, 64, 300, 4096) run ON THE GPU, then the FP8 unit and CUDA-lowering
@@ -15,6 +16,9 @@
 #           of 32 and 512 tokens, 256 new tokens, FP8/bf16 speedups and b=1 decode against the HBM floor
 #           (override the arguments with ROLLOUT_ARGS="...")
 #   rollout_moe  the same at Qwen3-30B-A3B shapes (bf16 and fp8; ~57 GiB of bf16 weights, small KV budget)
+#   kv_attention  bench_rollout.py at Qwen3-8B shapes, fp8 + e4m3 KV cache, 4096-token prompts, 256 new tokens, b=1
+#           and 32, twice: decode attention in the Pallas kernel that reads the e4m3 cache and dequantizes inside
+#           (kv_attention=auto) and over the whole dequantized cache (materialize); issue 21's ">= 1.3x at 4k contexts"
 #   profile jax.profiler traces of 8B decode (bf16, fp8, fp8 + e4m3 KV): kernels per token, top kernels
 #   sync    bench_weight_sync.py (export + DLPack + copy into preallocated torch tensors)
 # Results: benchmarks/results/*_gpu_<device>.{json,md}; logs and copies in $OUT (the device tool's folder) or
@@ -29,7 +33,7 @@ mkdir -p "$LOG"
   2>&1 | tee "$LOG/env.txt" || exit 1
 "$PY" -c "import jax, sys; sys.exit(0 if any(d.platform == 'gpu' for d in jax.devices()) else 1)" \
   || { echo "run_gpu.sh: JAX sees no GPU (check JAX_PLATFORMS and the CUDA plugin)" | tee -a "$LOG/env.txt"; exit 1; }
-stages=" ${*:-tests quant matmul rollout rollout_moe profile sync} "
+stages=" ${*:-tests quant matmul rollout rollout_moe kv_attention profile sync} "
 status=0
 run() {  # run NAME CMD...: log to $LOG/NAME.log, remember a failure
   local name=$1; shift
@@ -43,6 +47,11 @@ if [[ $stages == *" tests "* ]]; then
   # a GPU test may skip only where no CUDA device exists, and this machine has one: any skip is a failure
   if grep -qE "[0-9]+ skipped|SKIPPED" "$LOG/gpu_tests.log"; then echo "run_gpu.sh: GPU tests were skipped"; status=1; fi
   grep -qE "[0-9]+ passed" "$LOG/gpu_tests.log" || { echo "run_gpu.sh: no GPU test ran"; status=1; }
+  # the FP8 KV decode-attention kernel: its GPU tests (none may skip here), then its interpret-mode and lowering tests
+  run gpu_tests_attention "$PY" -m pytest -q -ra -p no:cacheprovider -m gpu tests/test_fp8_attention_kernel.py
+  if grep -qE "[0-9]+ skipped|SKIPPED" "$LOG/gpu_tests_attention.log"; then echo "run_gpu.sh: GPU tests were skipped"; status=1; fi
+  grep -qE "[0-9]+ passed" "$LOG/gpu_tests_attention.log" || { echo "run_gpu.sh: no attention GPU test ran"; status=1; }
+  run unit_tests_attention "$PY" -m pytest -q -ra -p no:cacheprovider -m "not gpu" tests/test_fp8_attention_kernel.py
   run unit_tests "$PY" -m pytest -q -ra -p no:cacheprovider tests/test_fp8_pallas.py tests/test_fp8_quant.py \
     tests/test_fp8_reference.py tests/test_fp8_dot.py tests/test_fp8_training.py tests/test_imports.py
 fi
@@ -53,6 +62,13 @@ fi
 [[ $stages == *" rollout_moe "* ]] && run bench_rollout_moe "$PY" benchmarks/bench_rollout.py --models 30b-a3b \
   --engines embedded --precisions bf16,fp8 --batches 1,32 --prompt_len 32 --max_tokens 128 --repeats 1 --floor \
   --kv_cache_memory_bytes 4294967296 --update
+if [[ $stages == *" kv_attention "* ]]; then
+  for impl in auto materialize; do
+    run "bench_kv_attention_$impl" "$PY" benchmarks/bench_rollout.py --models 8b --engines embedded --precisions fp8_kv \
+      --batches 1,32 --prompt_len 4096 --max_tokens 256 --repeats 1 --kv_cache_memory_bytes 17179869184 \
+      --kv_attention "$impl" --out "benchmarks/results/rollout_kv_attention_${impl}_gpu"
+  done
+fi
 [[ $stages == *" profile "* ]] && run bench_rollout_profile "$PY" benchmarks/bench_rollout.py --models 8b \
   --engines embedded --precisions bf16,fp8,fp8_kv --batches 1 --prompt_len 32 --max_tokens 32 --repeats 1 \
   --profile "$LOG/profile" --out benchmarks/results/rollout_profile_gpu

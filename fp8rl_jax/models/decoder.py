@@ -33,6 +33,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from fp8rl_jax.fp8.kv_cache import dequantize_kv, is_fp8_cache, quantize_kv
+from fp8rl_jax.fp8.pallas_attention import decode_kernel_choice, fp8_kv_decode_attention
 from fp8rl_jax.models.config import ModelConfig
 from fp8rl_jax.models.layers import LINEAR_PRECISIONS, MLP, Linear, RMSNorm  # noqa: F401 (re-exported)
 from fp8rl_jax.models.moe import SparseMoeBlock
@@ -220,6 +221,11 @@ class Attention(nnx.Module):
                     raise ValueError("an fp8_e4m3 KV cache needs k_scale and v_scale")
                 ck = jax.lax.dynamic_update_slice(ck, quantize_kv(k, ks), (0, cache_index, 0, 0))
                 cv = jax.lax.dynamic_update_slice(cv, quantize_kv(v, vs), (0, cache_index, 0, 0))
+                kernel, interpret = decode_kernel_choice(getattr(self, "kv_attention", "auto"), s, ck.shape)
+                if kernel:  # decode on CUDA: the e4m3 cache is read and dequantized inside the attention kernel
+                    out = fp8_kv_decode_attention(q[:, 0], ck, cv, ks, vs, kv_mask, q_slots[:, 0], q_scale=qs,
+                                                  interpret=interpret).reshape(b, s, self.num_heads * self.head_dim)
+                    return checkpoint_name(self.o_proj(out), OUT_PROJ), (ck, cv), qkv_absmax
                 v = dequantize_kv(cv, vs, self.dtype)
                 if qs is not None:
                     q, k, qk_scale = quantize_kv(q, qs).astype(jnp.float32), ck.astype(jnp.float32), qs * ks

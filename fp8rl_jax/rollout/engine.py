@@ -35,8 +35,9 @@ from flax import nnx
 from fp8rl_jax.fp8.kv_cache import (DEFAULT_BLOCK_SIZE, KVCacheCapacity, KVScales, is_kv_scale_name,
                                     kv_cache_bytes_per_token, kv_cache_capacity, kv_cache_storage_dtype,
                                     normalize_kv_cache_dtype)
+from fp8rl_jax.fp8.pallas_attention import use_fp8_kv_kernel
 from fp8rl_jax.models.config import ModelConfig
-from fp8rl_jax.models.decoder import KVCache, left_pad, param_name, positions_from_mask
+from fp8rl_jax.models.decoder import Attention, KVCache, left_pad, param_name, positions_from_mask
 from fp8rl_jax.models.fused import fuse_tensors, split_names, split_tensors
 from fp8rl_jax.models.loading import build_model
 from fp8rl_jax.rollout.sampling import sample_tokens
@@ -122,6 +123,13 @@ class JaxRolloutEngine:
         fused ``qkv_proj`` / ``gate_up_proj`` where every part's rows are a multiple of 128
         (:attr:`fused_projections` lists them; the others stay separate). Same greedy tokens and logprobs as the
         unfused engine (bit for bit on CPU, tested). ``weights`` may then be fused or under the HF names.
+      kv_attention: decode attention over an e4m3 cache (:data:`fp8rl_jax.fp8.pallas_attention.KV_ATTENTION_IMPLS`):
+        ``"auto"`` runs :func:`fp8rl_jax.fp8.pallas_attention.fp8_kv_decode_attention` (the cache read and
+        dequantized inside a Pallas kernel, only up to each row's last slot) on one CUDA GPU and today's path
+        elsewhere (CPU results unchanged; on a mesh too, since the kernel is not SPMD-partitioned);
+        ``"materialize"`` always dequantizes the cache and calls ``jax.nn.dot_product_attention``; ``"pallas"``
+        forces the kernel (interpret mode off a GPU), ``"interpret"`` the kernel in interpret mode (tests). Prefill
+        and a bf16 cache always take the materialized path.
 
     Raises:
       ValueError: unknown precision or kv_cache_dtype, weights in the wrong format, ``fp8_attention`` without an
@@ -133,7 +141,7 @@ class JaxRolloutEngine:
                  prompt_bucket: int = 16, seed: int = 0, kv_cache_dtype: str = "auto",
                  kv_cache_memory_bytes: int | None = None, fp8_attention: bool = False,
                  max_model_len: int | None = None, kv_block_size: int = DEFAULT_BLOCK_SIZE,
-                 log_kv_cache: bool = True, mesh=None, fuse_projections: bool = True):
+                 log_kv_cache: bool = True, mesh=None, fuse_projections: bool = True, kv_attention: str = "auto"):
         if precision not in ENGINE_PRECISIONS:
             raise ValueError(f"unknown rollout precision {precision!r}; expected one of {sorted(ENGINE_PRECISIONS)}")
         self.config, self.precision = config, precision
@@ -142,10 +150,16 @@ class JaxRolloutEngine:
         if fp8_attention and self.kv_cache_dtype != "fp8_e4m3":
             raise ValueError("fp8_attention=True needs kv_cache_dtype='fp8_e4m3' (as in vLLM)")
         self.fp8_attention = bool(fp8_attention)
+        use_fp8_kv_kernel(kv_attention)  # validates the name
         self._check_format(weights)
         params = {k: v for k, v in weights.tensors.items() if not is_kv_scale_name(k)}
         self.model = build_model(config, params, linear_precision=linear, param_dtype=dtype, dtype=dtype,
                                  fuse_projections=engine_fuses_projections(precision, mesh, fuse_projections))
+        #: decode attention over an e4m3 cache (see ``kv_attention``), set on every attention module
+        self.kv_attention = "materialize" if (kv_attention == "auto" and mesh is not None) else kv_attention
+        for _, mod in nnx.iter_modules(self.model):
+            if isinstance(mod, Attention):
+                mod.kv_attention = self.kv_attention
         #: the fused q/k/v and gate/up groups this engine runs (:class:`fp8rl_jax.models.fused.FusedProjection`)
         self.fused_projections = self.model.fused_projections
         self.cache_dtype = kv_cache_storage_dtype(self.kv_cache_dtype, dtype)
