@@ -108,7 +108,7 @@ class RolloutWorker(WeightReceiverMixin):
     def weights_digest(self) -> dict[str, float]:
         """Fingerprint of the weights the engine holds (HF names, float64 sums); for checks."""
         if self.kind == "jax":
-            return _digest({k: v[...] for k, v in self.engine._names.items()})
+            return _digest(self.engine.named_weights())
         raise NotImplementedError("weights_digest is implemented for the embedded engine; for vLLM use "
                                   "VllmRolloutEngine.score")
 

@@ -223,6 +223,11 @@ class VllmRolloutEngine:
         return self.llm.collective_rpc(method, args=args, timeout=self.sync_timeout_s)
 
     def _check_signature(self, weights: ExportedWeights) -> None:
+        fused = weights.metadata.get("fused_projections") if weights.metadata else None
+        if fused:
+            raise ValueError(f"the export has fused projections ({list(fused)[:3]}...): vLLM's load_weights takes the "
+                             "HF checkpoint names (q_proj/k_proj/v_proj, gate_proj/up_proj) and fuses them itself; "
+                             "export with fuse=False for a vLLM engine")
         if self._signature is None:
             sig = tensor_signature(weights.tensors)
             want = hf_param_shapes(self.config)
@@ -242,7 +247,8 @@ class VllmRolloutEngine:
         """Sync one export into every vLLM worker and reset the prefix cache.
 
         Raises:
-          ValueError: wrong names/shapes/dtypes (named; nothing is sent, the engine keeps its weights);
+          ValueError: wrong names/shapes/dtypes, or an export with fused projections (``fuse=True``; named;
+            nothing is sent, the engine keeps its weights);
             ``weight_target="fp8"`` with a non-``fp8_blockwise`` export (raised by
             :func:`rollout_bridge.dlpack.vllm_tensors`).
           WeightSyncError: the transport or a worker failed or timed out; the engine refuses to generate until a

@@ -233,6 +233,10 @@ def test_bad_syncs_fail_loud_and_leave_the_trainer_usable(trainer):
     wrong = dict(w.tensors, **{name: w.tensors[name][:, :32]})
     with pytest.raises(ValueError, match="mismatch for " + name.replace(".", r"\.")):
         eng.update_weights(dataclasses.replace(w, tensors=wrong))
+    # an export fused for the embedded engine (qkv_proj / gate_up_proj): refused by name, nothing sent
+    fused = dataclasses.replace(w, metadata=dict(w.metadata, fused_projections=("model.layers.0.self_attn.qkv_proj",)))
+    with pytest.raises(ValueError, match="fused projections.*fuse=False"):
+        eng.update_weights(fused)
     assert eng.generate([PROMPT], SamplingParams(max_tokens=2)).response_token_ids.shape == (1, 2)  # untouched
 
     # a worker that fails mid-load (vLLM's own loader rejects a tensor): loud, and the engine refuses to generate
