@@ -34,12 +34,13 @@ from jax import lax
 from fp8rl_jax.fp8 import BLOCK_SIZE, quantize_weights_batched
 from fp8rl_jax.fp8.kv_cache import KVScales
 from fp8rl_jax.fp8.pallas_quant import quantize_weights_fused
+from fp8rl_jax.models.experts import expert_names, is_expert_stack_name, split_expert_names, split_expert_stacks
 from fp8rl_jax.models.fused import FusedProjection, fuse_tensors, fused_names, fused_projections
 from fp8rl_jax.rollout.types import ExportedWeights
 
 EXPORT_FORMATS = ("fp8_blockwise", "bf16", "float32")
 _LINEAR = re.compile(r"^model\.layers\.\d+\.(self_attn\.(q|k|v|o)_proj"
-                     r"|mlp\.(experts\.\d+\.)?(gate|up|down)_proj)\.weight$")
+                     r"|mlp\.(experts\.(\d+\.)?)?(gate|up|down)_proj)\.weight$")
 
 
 def is_quantized_linear(name: str) -> bool:
@@ -48,7 +49,9 @@ def is_quantized_linear(name: str) -> bool:
     Attention projections, dense MLP projections and Qwen3-MoE expert projections
     (``model.layers.{i}.mlp.experts.{j}.{gate,up,down}_proj.weight``, vLLM's per-expert checkpoint names) are
     quantized; the MoE router ``mlp.gate.weight``, embeddings, norms and ``lm_head`` are not (verl keeps the
-    router in its FP8 ``ignored_layers``).
+    router in its FP8 ``ignored_layers``). The model's stacked expert names
+    (``model.layers.{i}.mlp.experts.{gate,up,down}_proj.weight`` ``[E, N, K]``, :mod:`fp8rl_jax.models.experts`)
+    count too: each slice is quantized as its expert.
     """
     return bool(_LINEAR.match(name))
 
@@ -88,10 +91,26 @@ def _nonfinite_present(w: jax.Array) -> jax.Array:
 
 
 
-def _source_names(names, fused: tuple[FusedProjection, ...]) -> list[str]:
-    """The export's tensor names before ``_scale_inv`` (``sorted``): ``names`` with each fused group's part
-    tensors replaced by the fused ones; the order of :func:`_export`'s ``bad`` flags."""
-    return fused_names(names, fused)
+def _source_names(params, fused: tuple[FusedProjection, ...]) -> list[str]:
+    """The export's tensor names before ``_scale_inv`` (``sorted``): the names of ``params`` with stacked experts
+    as their per-expert HF names and each fused group's part tensors replaced by the fused ones; the order of
+    :func:`_export`'s ``bad`` flags."""
+    return fused_names(split_expert_names({k: tuple(v.shape) for k, v in params.items()}), fused)
+
+
+def _split_mixed_stacks(params: dict, unquantized: tuple) -> dict:
+    """Stacked experts that ``unquantized`` names only in part (per-expert modules) as per-expert slices; the rest
+    as they are (a stack is then quantized, or kept dense, whole)."""
+    mixed = {}
+    for name, w in params.items():
+        if is_expert_stack_name(name) and not _in_modules(name, unquantized):
+            if any(_in_modules(n, unquantized) for n in expert_names(name, w.shape[0])):
+                mixed[name] = w
+    if not mixed:
+        return params
+    out = {k: v for k, v in params.items() if k not in mixed}
+    out.update(split_expert_stacks(mixed))
+    return out
 
 
 @functools.partial(jax.jit, static_argnames=("fmt", "block_size", "ue8m0", "unquantized", "check", "stack",
@@ -114,14 +133,22 @@ def _export(params: dict, fmt: str, block_size: int, ue8m0: bool, unquantized: t
     dense = jnp.float32 if fmt == "float32" else jnp.bfloat16
     quantized = {}
     in_group = {f"{p}.weight" for g in fused for p in g.parts}
+    params = _split_mixed_stacks(params, unquantized)
     if fmt == "fp8_blockwise":
         linears = {name: w for name, w in params.items()
                    if is_quantized_linear(name) and not _in_modules(name, unquantized) and name not in in_group}
         quantized = (quantize_weights_batched(linears, block_size, ue8m0, check=False, stack=stack)
                      if linears else {})
+        # a stacked expert projection [E, N, K] is quantized as one call (bit-identical per expert), then handed
+        # out per expert under the HF names
+        for n in [n for n in quantized if is_expert_stack_name(n)]:
+            q, sc = quantized.pop(n)
+            quantized.update({name: (q[j], sc[j]) for j, name in enumerate(expert_names(n, q.shape[0]))})
+            params = {k: v for k, v in params.items() if k != n}
         for g in fused:
             quantized[f"{g.name}.weight"] = quantize_weights_fused([params[f"{p}.weight"] for p in g.parts],
                                                                    block_size, ue8m0)
+    params = split_expert_stacks(params)  # dense expert stacks (bf16/float32 export): per-expert slices
     if fused:  # the groups' other tensors (Qwen2 biases) are concatenated under the fused names, then cast
         params = fuse_tensors({k: v for k, v in params.items() if k not in in_group}, fused)
     scale_has_nan = gpu_lowering_available()  # the Pallas GPU kernel maps NaN to inf before its block max
@@ -151,7 +178,10 @@ def export_weights(params: dict, fmt: str = "fp8_blockwise", *, block_size: int 
     anyway before handing the buffers on).
 
     Args:
-      params: ``{hf_name: array}`` (the trainer's float32/bf16 params, e.g. ``named_params(model)``).
+      params: ``{hf_name: array}`` (the trainer's float32/bf16 params, e.g. ``named_params(model)``). Qwen3-MoE
+        experts may come per expert (HF names) or as the model's stacks (``...mlp.experts.gate_proj.weight``
+        ``[E, N, K]``, what :class:`ModelParamsReader` returns): a stack is quantized by one call inside the
+        program and exported per expert under the HF names, bit-identical to exporting its slices.
       fmt: ``"fp8_blockwise"`` | ``"bf16"`` | ``"float32"``.
       block_size: FP8 weight block edge (128).
       ue8m0: power-of-two scales.
@@ -211,7 +241,7 @@ def export_weights(params: dict, fmt: str = "fp8_blockwise", *, block_size: int 
 
 
 class ModelParamsReader:
-    """``{hf_name: array}`` of an NNX model without walking its graph on every call.
+    """``{name: array}`` of an NNX model without walking its graph on every call.
 
     The graph walk (``nnx.state(model, nnx.Param)`` + flattening, what
     :func:`fp8rl_jax.models.decoder.named_params` does) runs once, here; a call reads the current value of each
@@ -223,8 +253,14 @@ class ModelParamsReader:
     Args:
       model: an NNX module with HF-named parameters (:class:`fp8rl_jax.models.decoder.CausalLM`).
 
+    Names are the NNX state paths: the HF names, except that a Qwen3-MoE layer's experts come as the model's live
+    stacks (``model.layers.{i}.mlp.experts.gate_proj.weight [E, I, H]``, :mod:`fp8rl_jax.models.experts`), not as
+    per-expert copies; :func:`export_weights` takes them as they are and exports per-expert HF names, and
+    :func:`fp8rl_jax.models.experts.split_expert_stacks` gives :func:`~fp8rl_jax.models.decoder.named_params`'
+    naming.
+
     Attributes:
-      model: the model read. names: the HF names, in the walk's order.
+      model: the model read. names: the state names, in the walk's order.
     """
 
     def __init__(self, model):
@@ -237,7 +273,7 @@ class ModelParamsReader:
         self.names = [n for n, _ in self._vars]
 
     def __call__(self) -> dict[str, jax.Array]:
-        """The live arrays (no copies), same as ``named_params(model)``."""
+        """The live arrays (no copies): ``named_params(model)`` with expert stacks unsplit."""
         return {n: v[...] for n, v in self._vars}
 
 

@@ -66,8 +66,8 @@ _LAYER = re.compile(r"^(model\.layers\.(\d+)\.)(.+)$")
 class _Out:
     """One vLLM parameter: how its rank-stacked ``[tp, *local]`` array is built from HF tensors."""
 
-    kind: str  # column | kv | row | vocab | replicated | w13 | w2
-    parts: tuple  # HF names (qkv/gate_up: several; w13/w2: per expert (gate, up) / down)
+    kind: str  # column | kv | row | vocab | replicated | w13 | w2 | w13s | w2s
+    parts: tuple  # HF names (qkv/gate_up: several; w13/w2: per expert (gate, up) / down; w13s/w2s: the stacks)
     quantize: bool
 
 
@@ -75,6 +75,7 @@ def _plan(names: set[str], cfg: ModelConfig, fuse: bool) -> dict[str, _Out]:
     """``{vllm_name: _Out}`` for the HF ``names``; raises ValueError on a name it cannot place."""
     out: dict[str, _Out] = {}
     experts: dict[str, dict[int, dict[str, str]]] = {}
+    stacked: dict[str, dict[str, str]] = {}
     for name in sorted(names):
         if name in ("model.embed_tokens.weight", "lm_head.weight"):
             out[name] = _Out("vocab", (name,), False)
@@ -87,6 +88,10 @@ def _plan(names: set[str], cfg: ModelConfig, fuse: bool) -> dict[str, _Out]:
             out[name] = _Out("replicated", (name,), False)
             continue
         prefix = m.group(1)
+        st = re.match(r"mlp\.experts\.(gate|up|down)_proj\.weight$", rest)
+        if st:  # the model's stacked experts [E, N, K] (ModelParamsReader): w13 / w2 straight from the stacks
+            stacked.setdefault(prefix, {})[st.group(1)] = name
+            continue
         e = re.match(r"mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$", rest)
         if e:
             experts.setdefault(prefix, {}).setdefault(int(e.group(1)), {})[e.group(2)] = name
@@ -122,6 +127,13 @@ def _plan(names: set[str], cfg: ModelConfig, fuse: bool) -> dict[str, _Out]:
                 out[name] = _Out("column", (name,), True)
         else:
             raise ValueError(f"no tensor-parallel layout for {name}")
+    for prefix, by_proj in stacked.items():
+        if prefix in experts:
+            raise ValueError(f"{prefix}mlp.experts: both stacked and per-expert tensors given")
+        if set(by_proj) != {"gate", "up", "down"}:
+            raise ValueError(f"{prefix}mlp.experts: expected stacked gate/up/down_proj, got {sorted(by_proj)}")
+        out[f"{prefix}mlp.experts.w13_weight"] = _Out("w13s", (by_proj["gate"], by_proj["up"]), True)
+        out[f"{prefix}mlp.experts.w2_weight"] = _Out("w2s", (by_proj["down"],), True)
     for prefix, by_expert in experts.items():
         ids = sorted(by_expert)
         if ids != list(range(len(ids))) or any(set(v) != {"gate", "up", "down"} for v in by_expert.values()):
@@ -150,6 +162,15 @@ def _kv(x: jax.Array, tp: int, num_kv_heads: int, name: str) -> jax.Array:
     heads = x.reshape(num_kv_heads, 1, x.shape[0] // num_kv_heads, *x.shape[1:])
     heads = jnp.broadcast_to(heads, (num_kv_heads, rep, *heads.shape[2:]))
     return heads.reshape(tp, *heads.shape[2:])
+
+
+def _column_stacked(x: jax.Array, tp: int, name: str) -> jax.Array:
+    """``[E, N, K]`` expert stack -> ``[tp, E, N/tp, K]`` (each expert's :func:`_column`, ranks first)."""
+    if x.ndim != 3:
+        raise ValueError(f"{name}: a stacked expert tensor must be [E, N, K], got shape {tuple(x.shape)}")
+    if x.shape[1] % tp:
+        raise ValueError(f"{name}: output dimension {x.shape[1]} is not divisible by tensor-parallel size {tp}")
+    return jnp.moveaxis(x.reshape(x.shape[0], tp, x.shape[1] // tp, x.shape[2]), 1, 0)
 
 
 def _row(x: jax.Array, tp: int, name: str) -> jax.Array:
@@ -191,6 +212,14 @@ def _stack(o: _Out, params: dict, tp: int, num_kv_heads: int) -> jax.Array:
                           for g, u in o.parts], axis=1)
     if o.kind == "w2":
         return jnp.stack([_row(params[p], tp, p) for p in o.parts], axis=1)
+    if o.kind == "w13s":  # the same [tp, E, 2I/tp, H] from the [E, I, H] stacks: pure data movement
+        return jnp.concatenate([_column_stacked(params[p], tp, p) for p in o.parts], axis=2)
+    if o.kind == "w2s":  # [E, H, I] -> [tp, E, H, I/tp]
+        x = params[o.parts[0]]
+        if x.shape[2] % tp:
+            raise ValueError(f"{o.parts[0]}: input dimension {x.shape[2]} is not divisible by tensor-parallel "
+                             f"size {tp}")
+        return jnp.moveaxis(x.reshape(x.shape[0], x.shape[1], tp, x.shape[2] // tp), 2, 0)
     raise AssertionError(o.kind)
 
 
@@ -288,7 +317,10 @@ def export_tp_shards(params: dict[str, jax.Array], cfg: ModelConfig, mesh: Mesh,
 
     Args:
       params: ``{hf_name: array}`` (the trainer's params, e.g. ``named_params(model)``, any sharding on
-        ``mesh``); linears ``[out, in]``.
+        ``mesh``); linears ``[out, in]``. Qwen3-MoE experts per expert (HF names) or as the model's stacks
+        (``...mlp.experts.{gate,up,down}_proj.weight`` ``[E, N, K]``,
+        :class:`fp8rl_jax.export.ModelParamsReader`): ``w13`` / ``w2`` are then built straight from the stacks
+        (the same bytes).
       cfg: the model config (kv heads, for k/v replication when ``Hkv < tp``).
       mesh: the trainer's mesh.
       tp_axes: mesh axes forming vLLM's tensor-parallel group (``tp`` = product of their sizes), e.g.

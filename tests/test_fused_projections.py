@@ -290,7 +290,7 @@ def test_moe_engine_fuses_attention_and_dense_mlp_only():
     unfused, fused = _engines(cfg, _params(cfg))
     assert [g.name for g in fused.fused_projections] == [
         "model.layers.0.self_attn.qkv_proj", "model.layers.1.self_attn.qkv_proj", "model.layers.1.mlp.gate_up_proj"]
-    assert fused.model.model.layers[0].mlp.experts[0].gate_proj is not None  # experts are out of scope
+    assert fused.model.model.layers[0].mlp.experts.gate_proj is not None  # experts are out of scope
     sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     a, b = unfused.generate(PROMPTS, sp), fused.generate(PROMPTS, sp)
     np.testing.assert_array_equal(a.response_token_ids, b.response_token_ids)

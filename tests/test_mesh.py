@@ -156,7 +156,8 @@ def _worker_equivalence(arch: str) -> dict:
         out[f"{shape}|{micro}"] = {
             "loss_err": abs(got[1] - ref[1]), "grad_err": max_err(got[0], ref[0]), "param_err": max_err(got[3], ref[3]),
             "metric_err": max(abs(got[2][k] - ref[2][k]) / max(1.0, abs(ref[2][k])) for k in ref[2]), "metric_keys_equal": sorted(got[2]) == sorted(ref[2]),
-            "n_params": len(params), "n_sharded": n_sharded, "after_sharded": after_sharded, "opt_sharded": opt_sharded,
+            # the model's variables (MoE experts: one [E, ...] stack per projection, not one per expert)
+            "n_params": len(jax.tree.leaves(nnx.state(model, nnx.Param))), "n_sharded": n_sharded, "after_sharded": after_sharded, "opt_sharded": opt_sharded,
             "donated": got[4], "unmatched": plan.unmatched, "fallbacks": len(plan.fallbacks)}
     return out
 

@@ -108,25 +108,24 @@ def test_sparse_block_matches_float64_loop(moe_cfg):
     silu = lambda v: v / (1 + np.exp(-v))  # noqa: E731
     for t in range(len(xt)):
         for slot in range(ids.shape[1]):
-            e = blk.experts[int(ids[t, slot])]
-            h = silu(_np(e.gate_proj.weight[...]) @ xt[t]) * (_np(e.up_proj.weight[...]) @ xt[t])
-            ref[t] += w[t, slot] * (_np(e.down_proj.weight[...]) @ h)
+            e, j = blk.experts, int(ids[t, slot])
+            h = silu(_np(e.gate_proj.weight[...][j]) @ xt[t]) * (_np(e.up_proj.weight[...][j]) @ xt[t])
+            ref[t] += w[t, slot] * (_np(e.down_proj.weight[...][j]) @ h)
     assert np.abs(out.reshape(xt.shape) - ref).max() < 1e-5 * max(1.0, np.abs(ref).max())
     # with a training-precision dot_general set on the experts (trainer/precision.py) the per-expert Linear path
     # runs instead; with a plain lax.dot_general it computes the same values
-    for e in blk.experts:
-        for lin in (e.gate_proj, e.up_proj, e.down_proj):
-            lin.dot_general = jax.lax.dot_general
+    e = blk.experts
+    for lin in (e.gate_proj, e.up_proj, e.down_proj):
+        lin.dot_general = jax.lax.dot_general
     out_dg = np.asarray(fwd(blk, jnp.asarray(x, jnp.float32)))
     assert np.abs(out_dg.reshape(xt.shape) - ref).max() < 1e-5 * max(1.0, np.abs(ref).max())
-    for e in blk.experts:
-        for lin in (e.gate_proj, e.up_proj, e.down_proj):
-            lin.dot_general = None
+    for lin in (e.gate_proj, e.up_proj, e.down_proj):
+        lin.dot_general = None
     # gradients flow to the router and to the selected experts only
     grads = nnx.jit(nnx.grad(lambda m: jnp.sum(m(jnp.asarray(x, jnp.float32)) ** 2)))(blk)
     used = set(ids.ravel().tolist())
     for j in range(moe_cfg.num_experts):
-        gnorm = float(jnp.abs(grads.experts[j].up_proj.weight[...]).max())
+        gnorm = float(jnp.abs(grads.experts.up_proj.weight[...][j]).max())
         assert (gnorm > 0) == (j in used)
     assert float(jnp.abs(grads.gate.weight[...]).max()) > 0
 
@@ -139,19 +138,19 @@ def test_fp8_experts_match_per_expert_w8a8_linear(moe_cfg):
     fp8 = SparseMoeBlock(moe_cfg, linear_precision="fp8", param_dtype=jnp.float32, dtype=jnp.float32,
                          rngs=nnx.Rngs(1))
     assert fp8.gate.precision == "dense"
-    for d_e, f_e in zip(dense.experts, fp8.experts):
-        for name in ("gate_proj", "up_proj", "down_proj"):
-            q, s = quantize_weight_blockwise(getattr(d_e, name).weight[...])
-            getattr(f_e, name).weight[...] = q
-            getattr(f_e, name).weight_scale_inv[...] = s
+    for name in ("gate_proj", "up_proj", "down_proj"):  # the [E, N, K] stacks, quantized per expert
+        q, s = quantize_weight_blockwise(getattr(dense.experts, name).weight[...])
+        getattr(fp8.experts, name).weight[...] = q
+        getattr(fp8.experts, name).weight_scale_inv[...] = s
     dense.gate.weight[...] = dense.gate.weight[...] * 20
     fp8.gate.weight[...] = dense.gate.weight[...]
-    assert fp8.experts[0].gate_proj.weight[...].dtype == E4M3
+    assert fp8.experts.gate_proj.weight[...].dtype == E4M3
     x = jnp.asarray(np.random.default_rng(5).normal(size=(13, moe_cfg.hidden_size)), jnp.float32)
     call = nnx.jit(lambda m, v: m(v))
     out = np.asarray(call(fp8, x), np.float64)
     _, w, ids = fp8.router(x)
-    per_expert = {j: _np(call(fp8.experts[j], x)) for j in set(np.asarray(ids).ravel().tolist())}  # all tokens
+    one = nnx.jit(lambda m, v, j: m.expert(j, v), static_argnums=2)
+    per_expert = {j: _np(one(fp8.experts, x, j)) for j in set(np.asarray(ids).ravel().tolist())}  # all tokens
     ref = np.zeros(out.shape)
     for t in range(x.shape[0]):
         for slot in range(ids.shape[1]):

@@ -159,8 +159,8 @@ def test_fp8_training_leaves_the_moe_router_dense():
     for layer in model.model.layers:
         assert layer.mlp.gate.dot_general is None  # router: plain einsum, never FP8
         assert layer.self_attn.q_proj.dot_general is dg
-        for e in layer.mlp.experts:
-            assert e.gate_proj.dot_general is e.up_proj.dot_general is e.down_proj.dot_general is dg
+        e = layer.mlp.experts  # the stacked experts' projections (fp8rl_jax.models.experts)
+        assert e.gate_proj.dot_general is e.up_proj.dot_general is e.down_proj.dot_general is dg
     assert model.lm_head.dot_general is None
 
 

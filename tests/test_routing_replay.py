@@ -241,9 +241,9 @@ def test_router_gradient_under_replay_matches_float64_finite_differences(norm):
     grads = nnx.grad(loss)(blk)
     g_jax = np.asarray(grads.gate.weight[...], np.float64)
     assert np.abs(g_jax).max() > 1e-5  # the router learns under replay
-    wg = np.stack([np.asarray(e.gate_proj.weight[...], np.float64) for e in blk.experts])
-    wu = np.stack([np.asarray(e.up_proj.weight[...], np.float64) for e in blk.experts])
-    wd = np.stack([np.asarray(e.down_proj.weight[...], np.float64) for e in blk.experts])
+    wg = np.asarray(blk.experts.gate_proj.weight[...], np.float64)  # [E, I, H] stacks
+    wu = np.asarray(blk.experts.up_proj.weight[...], np.float64)
+    wd = np.asarray(blk.experts.down_proj.weight[...], np.float64)
     gate = np.asarray(blk.gate.weight[...], np.float64)
     ref_out = _np_block(x, gate, wg, wu, wd, ids, norm)
     out32 = np.asarray(blk.forward(jnp.asarray(x, jnp.float32), jnp.asarray(ids, jnp.int32))[0], np.float64)

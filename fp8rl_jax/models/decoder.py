@@ -2,7 +2,10 @@
 
 Module attribute paths equal HF checkpoint names: the NNX state path
 ``('model', 'layers', 3, 'self_attn', 'q_proj', 'weight')`` is ``model.layers.3.self_attn.q_proj.weight``,
-and linear weights are stored in HF/vLLM layout ``[out_features, in_features]``. Numerics follow
+and linear weights are stored in HF/vLLM layout ``[out_features, in_features]``. The exception is a Qwen3-MoE
+layer's experts, stacked per projection as ``mlp.experts.{gate,up,down}_proj.weight`` ``[E, out, in]``
+(:mod:`fp8rl_jax.models.experts`); :func:`named_params` / :func:`load_named_params` translate them to and from the
+per-expert HF names ``mlp.experts.{j}.*``. Numerics follow
 ``transformers`` (``LlamaForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``): RMSNorm in float32,
 rotate-half RoPE, GQA, SwiGLU MLP, Qwen2 q/k/v bias, Qwen3 per-head q/k RMSNorm before RoPE.
 
@@ -35,6 +38,7 @@ from jax.ad_checkpoint import checkpoint_name
 from fp8rl_jax.fp8.kv_cache import dequantize_kv, is_fp8_cache, quantize_kv
 from fp8rl_jax.fp8.pallas_attention import decode_kernel_choice, fp8_kv_decode_attention
 from fp8rl_jax.models.config import ModelConfig
+from fp8rl_jax.models.experts import expert_names, is_expert_stack_name, stack_expert_tensors
 from fp8rl_jax.models.layers import LINEAR_PRECISIONS, MLP, Linear, RMSNorm  # noqa: F401 (re-exported)
 from fp8rl_jax.models.moe import SparseMoeBlock
 from fp8rl_jax.models.remat import KEY_PROJ, OUT_PROJ, QUERY_PROJ, VALUE_PROJ, checkpoint_policy, validate_remat_policy
@@ -262,7 +266,7 @@ class DecoderLayer(nnx.Module):
     """Pre-norm transformer block (HF ``LlamaDecoderLayer`` semantics).
 
     ``layer_idx`` selects the MLP: a Qwen3-MoE sparse layer (``cfg.is_sparse_layer(layer_idx)``) gets a
-    :class:`fp8rl_jax.models.moe.SparseMoeBlock` (router ``mlp.gate`` + ``mlp.experts.{j}.*``), every other
+    :class:`fp8rl_jax.models.moe.SparseMoeBlock` (router ``mlp.gate`` + stacked ``mlp.experts.*``), every other
     layer the dense SwiGLU :class:`MLP` (HF ``Qwen3MoeDecoderLayer``). ``fuse_qkv`` / ``fuse_gate_up``: the
     fused ``self_attn.qkv_proj`` / ``mlp.gate_up_proj`` of the FP8 rollout engine (:mod:`fp8rl_jax.models.fused`;
     a sparse layer's experts are never fused here).
@@ -636,15 +640,27 @@ def named_params(model: nnx.Module) -> dict[str, jax.Array]:
     """All parameters as ``{hf_name: array}`` (arrays are the live values, not copies).
 
     A model with fused projections (``CausalLM(fuse_projections=True)``) returns its fused tensors under the HF
-    names of their parts, as row slices (copies): the checkpoint naming, whatever the model stores.
+    names of their parts, as row slices (copies): the checkpoint naming, whatever the model stores. Likewise a
+    Qwen3-MoE layer's stacked experts (``mlp.experts.gate_proj.weight [E, I, H]``, :mod:`fp8rl_jax.models.experts`)
+    come out as per-expert slices (copies) under ``model.layers.{i}.mlp.experts.{j}.gate_proj.weight``, in the order
+    the former per-expert layout had (:func:`fp8rl_jax.models.experts.split_expert_stacks`).
     """
-    out = {param_name(p): v[...] for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+    from fp8rl_jax.models.experts import split_expert_stacks
+
+    out = split_expert_stacks({param_name(p): v[...] for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))})
     fused = getattr(model, "fused_projections", ())
     if fused:
         from fp8rl_jax.models.fused import split_tensors
 
         out = split_tensors(out, fused)
     return out
+
+
+def _stack_host_or_device(parts: list) -> Any:
+    """``np.stack`` for host (numpy) parts, :func:`jax.numpy.stack` when any part is a JAX array."""
+    if any(isinstance(a, jax.Array) for a in parts):
+        return jnp.stack([jnp.asarray(a) for a in parts])
+    return np.stack([np.asarray(a) for a in parts])
 
 
 def load_named_params(model: nnx.Module, params: dict[str, Any], *, strict_extra: bool = False,
@@ -658,6 +674,10 @@ def load_named_params(model: nnx.Module, params: dict[str, Any], *, strict_extra
         projections each fused tensor is taken as it is when ``params`` has it under the fused name
         (``...self_attn.qkv_proj.weight``), else concatenated from its parts' HF names
         (:func:`fp8rl_jax.models.fused.fuse_tensors`).
+        A Qwen3-MoE layer's stacked experts are taken under their stacked name
+        (``...mlp.experts.gate_proj.weight [E, I, H]``) or, as HF checkpoints name them, stacked from the per-expert
+        tensors ``...mlp.experts.{j}.gate_proj.weight`` (:func:`fp8rl_jax.models.experts.stack_expert_tensors`;
+        host numpy tensors are stacked on the host, then copied once).
       strict_extra: raise on any other unexpected name instead of ignoring it.
       cast: cast each array to the parameter's dtype (e.g. float32 checkpoint -> bfloat16 params).
 
@@ -678,6 +698,12 @@ def load_named_params(model: nnx.Module, params: dict[str, Any], *, strict_extra
     state = nnx.state(model, nnx.Param)
     flat = list(nnx.to_flat_state(state))
     want = {param_name(p): v for p, v in flat}
+    stacks = {n: tuple(v[...].shape) for n, v in want.items() if is_expert_stack_name(n)}
+    if stacks:  # per-expert HF tensors -> the model's [E, ...] stacks (host arrays stacked on the host)
+        params = stack_expert_tensors(params, stacks, stack=_stack_host_or_device)
+        missing = sorted(n for s in stacks if s not in params for n in expert_names(s, stacks[s][0]))
+        if missing:
+            raise KeyError(f"checkpoint is missing {len(missing)} parameter(s) the model needs, e.g. {missing[:5]}")
     missing = sorted(set(want) - set(params))
     if missing:
         raise KeyError(f"checkpoint is missing {len(missing)} parameter(s) the model needs, e.g. {missing[:5]}")

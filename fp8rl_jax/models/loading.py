@@ -41,6 +41,10 @@ def build_model(cfg: ModelConfig, params: dict[str, Any] | None = None, *, linea
     ``remat_policy`` and ``scan_layers`` are :class:`CausalLM`'s (training-forward memory knobs; parameter
     names and layout do not depend on them). ``fuse_projections`` (FP8 only) builds the rollout engine's fused
     ``qkv_proj`` / ``gate_up_proj`` (:mod:`fp8rl_jax.models.fused`); ``params`` may then name them either way.
+    Qwen3-MoE experts are stacked ``[E, N, K]`` parameters (:mod:`fp8rl_jax.models.experts`); ``params`` names them
+    per expert as HF checkpoints do (``mlp.experts.{j}.gate_proj.weight``) or by their stacked names, and
+    :func:`~fp8rl_jax.models.decoder.load_named_params` stacks them (host arrays on the host, then one copy to the
+    device). For a model sharded from the start see :func:`fp8rl_jax.parallel.loading.build_sharded_model`.
 
     Raises:
       KeyError / ValueError: from :func:`load_named_params` (missing names, shape mismatch); ValueError for an

@@ -9,28 +9,31 @@ Semantics follow ``transformers`` ``Qwen3MoeSparseMoeBlock`` / ``Qwen3MoeTopKRou
 4. each selected expert ``e`` computes ``down_proj(silu(gate_proj(x)) * up_proj(x))`` and its output is scaled
    by its routing weight; the k outputs are summed. There are no shared experts in Qwen3-MoE.
 
-Parameter layout. Parameters live at exactly the per-expert checkpoint names that HF checkpoints on disk and
-vLLM's loader use (``model.layers.{i}.mlp.experts.{j}.gate_proj.weight`` ``[moe_intermediate_size, hidden]``,
-``up_proj`` the same, ``down_proj`` ``[hidden, moe_intermediate_size]``, router ``model.layers.{i}.mlp.gate.weight``
-``[num_experts, hidden]``), one :class:`~fp8rl_jax.models.layers.Linear` per expert projection (each expert is a
-:class:`~fp8rl_jax.models.layers.MLP` of size ``moe_intermediate_size``). vLLM's
-``RoutedExperts.build_expert_params_mapping`` maps ``experts.{j}.gate_proj.`` / ``up_proj.`` to the fused
-``experts.w13_*`` shards ``w1`` / ``w3`` and ``experts.{j}.down_proj.`` to ``experts.w2_*`` (``w2``), for
-``weight`` and (FP8 blockwise) ``weight_scale_inv`` alike. Keeping per-expert variables means every name-based
-path (``named_params``, ``load_named_params``, the FP8 export, the rollout engine's in-place update, checkpoints)
-works unchanged and an FP8 expert is an ordinary FP8 ``Linear`` (e4m3 ``weight`` + ``weight_scale_inv``).
+Parameter layout. The router is ``model.layers.{i}.mlp.gate.weight`` ``[num_experts, hidden]``. The experts are
+one :class:`~fp8rl_jax.models.experts.StackedExperts` per layer (issue 19): NNX paths
+``mlp.experts.{gate,up,down}_proj.weight``, HF's per-expert ``[N, K]`` layout stacked on a leading expert axis
+(``gate_proj`` / ``up_proj`` ``[E, moe_intermediate_size, hidden]``, ``down_proj`` ``[E, hidden,
+moe_intermediate_size]``; FP8: e4m3 plus ``weight_scale_inv [E, ceil(N/128), ceil(K/128)]``). Slice ``j`` is
+expert ``j``'s checkpoint tensor ``model.layers.{i}.mlp.experts.{j}.gate_proj.weight`` (HF checkpoints on disk,
+vLLM's loader: ``RoutedExperts.build_expert_params_mapping`` maps ``experts.{j}.gate_proj.`` / ``up_proj.`` to the
+fused ``experts.w13_*`` shards ``w1`` / ``w3`` and ``experts.{j}.down_proj.`` to ``experts.w2_*``). Every name-based
+path (``named_params``, ``load_named_params``, the FP8 export, the rollout engine's in-place update,
+``build_sharded_model``) still speaks the per-expert HF names and translates with
+:func:`~fp8rl_jax.models.experts.split_expert_stacks` / :func:`~fp8rl_jax.models.experts.stack_expert_tensors`.
+A model has O(layers) expert variables, and the stacked dimension is sharded over the ``expert`` mesh axis.
 
-Compute. The forward stacks the expert weights of a layer into ``[E, in, out]`` (a copy per call inside ``jit``;
-the weights are loop-invariant in the decode loop, so XLA may hoist it, but this is not guaranteed: a stacked
-parameter layout would avoid it at the cost of a name translation layer) and runs the experts as grouped
-matmuls with :func:`jax.lax.ragged_dot` on the ``T * k`` (token, expert) pairs sorted by expert: the work is
-``T * k`` rows, not ``T * E``, no token is ever dropped (no capacity factor), and it is differentiable. With
-FP8 experts the W8A8 blockwise numerics are those of :func:`fp8rl_jax.fp8.w8a8_block_matmul`'s dequantize path:
-activations are quantized per token in 1x128 groups (vLLM ``QuantFP8`` native rounding), weights are the
-dequantized e4m3 blocks, products accumulate in float32. The router always stays dense in ``param_dtype``
-(bf16 in rollout), as verl's FP8 rollout keeps ``mlp.gate`` in its ignored layers. When a training-precision
-``dot_general`` is set on the expert ``Linear`` layers (FP8 training, :mod:`fp8rl_jax.trainer.precision`), each
-expert's own ``Linear`` runs on all tokens weighted by its routing weight instead (E/k times the FLOPs).
+Compute. The experts run as grouped matmuls with :func:`jax.lax.ragged_dot` on the ``T * k`` (token, expert) pairs
+sorted by expert, reading the stacks directly (``[E, K, N]`` views, no per-forward stacking): the work is ``T * k``
+rows, not ``T * E``, no token is ever dropped (no capacity factor), and it is differentiable. With FP8 experts the
+W8A8 blockwise numerics are those of :func:`fp8rl_jax.fp8.w8a8_block_matmul`'s dequantize path: activations are
+quantized per token in 1x128 groups (vLLM ``QuantFP8`` native rounding), weights are the dequantized e4m3 blocks,
+products accumulate in float32; on a CUDA GPU the grouped Pallas kernel
+(:func:`fp8rl_jax.fp8.pallas_grouped.grouped_w8a8_matmul`) reads the e4m3 stacks as they are (gate and up as one
+``[E, 2I, hidden]`` operand when ``I`` is a multiple of 128: a concatenation of the two stacks per call). The
+router always stays dense in ``param_dtype`` (bf16 in rollout), as verl's FP8 rollout keeps ``mlp.gate`` in its
+ignored layers. When a training-precision ``dot_general`` is set on the expert projections (FP8 training,
+:mod:`fp8rl_jax.trainer.precision`), each expert's slice runs on all tokens weighted by its routing weight instead
+(E/k times the FLOPs).
 
 Rollout routing replay (R3, arXiv 2510.11370, Sec. 3). :meth:`SparseMoeBlock.forward` returns the router's own
 top-k expert ids (what the rollout engine records) and takes optional recorded ids ``replay_ids`` (``-1`` = no
@@ -48,9 +51,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from fp8rl_jax.fp8 import dequantize_weight_blockwise, fake_quantize_activation
+from fp8rl_jax.fp8 import fake_quantize_activation
 from fp8rl_jax.models.config import ModelConfig
-from fp8rl_jax.models.layers import MLP, Linear
+from fp8rl_jax.models.experts import StackedExperts
+from fp8rl_jax.models.layers import Linear
 
 
 def route_top_k(router_logits: jax.Array, top_k: int, norm_topk_prob: bool) -> tuple[jax.Array, jax.Array]:
@@ -133,18 +137,6 @@ def route_with_replay(router_logits: jax.Array, top_k: int, norm_topk_prob: bool
     return w, used, ids
 
 
-def _stacked_kn(linears, dtype) -> jax.Array:
-    """Stack per-expert ``[N, K]`` weights (dense or e4m3 + ``weight_scale_inv``) as ``[E, K, N]`` in ``dtype``."""
-    first = linears[0]
-    if first.precision == "fp8":
-        q = jnp.stack([l.weight[...] for l in linears])
-        s = jnp.stack([l.weight_scale_inv[...] for l in linears])
-        w = dequantize_weight_blockwise(q, s, first.block_size, out_dtype=jnp.float32)
-    else:
-        w = jnp.stack([l.weight[...] for l in linears]).astype(dtype)
-    return jnp.swapaxes(w, 1, 2)
-
-
 class SparseMoeBlock(nnx.Module):
     """Qwen3-MoE MLP: router ``gate`` + ``experts`` (see the module docstring for semantics and names).
 
@@ -168,12 +160,11 @@ class SparseMoeBlock(nnx.Module):
         self.dtype, self.precision = dtype, linear_precision
         self.gate = Linear(cfg.hidden_size, cfg.num_experts, precision="dense", param_dtype=param_dtype, dtype=dtype,
                            rngs=rngs)
-        # One SwiGLU MLP per expert (``[moe_intermediate_size, hidden]`` gate/up, ``[hidden, I]`` down): NNX paths
-        # ``mlp.experts.{j}.{gate,up,down}_proj.weight`` (+ ``weight_scale_inv`` in FP8), the checkpoint names.
-        self.experts = nnx.List([MLP(cfg, intermediate_size=cfg.moe_intermediate_size,
-                                     linear_precision=linear_precision, param_dtype=param_dtype, dtype=dtype,
-                                     rngs=rngs)
-                                 for _ in range(cfg.num_experts)])
+        # The experts' weights stacked on a leading expert axis (:mod:`fp8rl_jax.models.experts`): NNX paths
+        # ``mlp.experts.{gate,up,down}_proj.weight`` ``[E, N, K]`` (+ ``weight_scale_inv`` in FP8).
+        self.experts = StackedExperts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size,
+                                      linear_precision=linear_precision, param_dtype=param_dtype, dtype=dtype,
+                                      rngs=rngs)
 
     #: FP8 experts: ``"auto"`` (the grouped Pallas kernel on a CUDA GPU, dequantized ``ragged_dot`` elsewhere),
     #: ``"pallas"`` (always the kernel; interpret mode off the GPU) or ``"ragged_dot"``.
@@ -200,12 +191,10 @@ class SparseMoeBlock(nnx.Module):
         """
         from fp8rl_jax.fp8.pallas_grouped import grouped_w8a8_matmul
 
-        def stacked(proj):
-            return (jnp.stack([getattr(e, proj).weight[...] for e in self.experts]),
-                    jnp.stack([getattr(e, proj).weight_scale_inv[...] for e in self.experts]))
-
-        (qg, sg), (qu, su), (qd, sd) = stacked("gate_proj"), stacked("up_proj"), stacked("down_proj")
-        inter, bs = qg.shape[1], self.experts[0].gate_proj.block_size
+        ex = self.experts
+        (qg, sg), (qu, su), (qd, sd) = ((p.weight[...], p.weight_scale_inv[...])
+                                        for p in (ex.gate_proj, ex.up_proj, ex.down_proj))
+        inter, bs = qg.shape[1], ex.gate_proj.block_size
         if inter % bs == 0:
             gu = grouped_w8a8_matmul(xs, group_sizes, jnp.concatenate([qg, qu], axis=1),
                                      jnp.concatenate([sg, su], axis=1), block_size=bs, out_dtype=jnp.float32)
@@ -230,7 +219,7 @@ class SparseMoeBlock(nnx.Module):
     def _act_in(self, x: jax.Array) -> jax.Array:
         """Activation entering an expert matmul: fp8 -> 1x128 e4m3 quantize-dequantize in float32."""
         if self.precision == "fp8":
-            return fake_quantize_activation(x.astype(jnp.float32), self.experts[0].gate_proj.block_size)
+            return fake_quantize_activation(x.astype(jnp.float32), self.experts.gate_proj.block_size)
         return x.astype(self.dtype)
 
     def __call__(self, x: jax.Array, replay_ids: jax.Array | None = None) -> jax.Array:
@@ -265,12 +254,13 @@ class SparseMoeBlock(nnx.Module):
         weights, ids, router_ids = route_with_replay(logits, self.top_k, self.norm_topk_prob, rep)
         router_ids = router_ids.reshape(shape[:-1] + (self.top_k,))
         weights = weights.astype(self.dtype)  # HF casts the top-k weights back to the logits dtype
-        if self.experts[0].gate_proj.dot_general is not None:
-            # A training-precision product (e.g. FP8 training's custom VJP) is set on the expert Linears: honour
-            # it by running each expert's own Linear on all tokens, weighted by its (mostly zero) routing weight.
-            # E/k times the FLOPs of the grouped path; exact same routing semantics.
+        ex = self.experts
+        if ex.gate_proj.dot_general is not None:
+            # A training-precision product (e.g. FP8 training's custom VJP) is set on the expert projections:
+            # honour it by running each expert's slice on all tokens, weighted by its (mostly zero) routing
+            # weight. E/k times the FLOPs of the grouped path; exact same routing semantics.
             dense_w = jnp.zeros((t, self.num_experts), self.dtype).at[jnp.arange(t)[:, None], ids].set(weights)
-            out = sum(dense_w[:, j, None] * e(xt) for j, e in enumerate(self.experts))
+            out = sum(dense_w[:, j, None] * ex.expert(j, xt) for j in range(self.num_experts))
             return out.astype(self.dtype).reshape(shape), router_ids
         flat = ids.reshape(-1)                                  # [T*k] expert of each (token, slot)
         order = jnp.argsort(flat, stable=True)                  # group pairs by expert
@@ -282,9 +272,7 @@ class SparseMoeBlock(nnx.Module):
             out = jnp.zeros((t, shape[-1]), self.dtype).at[token].add(y)
             return out.reshape(shape), router_ids
         acc = jnp.float32 if self.precision == "fp8" else self.dtype
-        wg = _stacked_kn([e.gate_proj for e in self.experts], self.dtype)
-        wu = _stacked_kn([e.up_proj for e in self.experts], self.dtype)
-        wd = _stacked_kn([e.down_proj for e in self.experts], self.dtype)
+        wg, wu, wd = (p.stacked_kn(self.dtype) for p in (ex.gate_proj, ex.up_proj, ex.down_proj))
         xs = self._act_in(xt[token])
         g = jax.lax.ragged_dot(xs, wg.astype(xs.dtype), group_sizes, preferred_element_type=acc)
         u = jax.lax.ragged_dot(xs, wu.astype(xs.dtype), group_sizes, preferred_element_type=acc)

@@ -9,6 +9,11 @@ model is built. No *device* ever holds a full unsharded copy: the model is first
 own shards (maxtext / tunix's sharded init). Streaming from disk shard by shard (no full host copy) would need a
 loader that returns lazily readable tensors (``jax.make_array_from_callback`` over memory-mapped safetensors); the
 loaders here do not offer that yet.
+
+Qwen3-MoE experts are stacked ``[E, N, K]`` parameters (:mod:`fp8rl_jax.models.experts`) while checkpoints name them
+per expert (``mlp.experts.{j}.gate_proj.weight``): each stack is assembled shard by shard with
+``jax.make_array_from_callback``, every device receiving only the host slices of the experts (and rows) it owns,
+so no full stack is built on any device (nor on the host).
 """
 
 from __future__ import annotations
@@ -16,10 +21,12 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
+from fp8rl_jax.models.experts import expert_names, is_expert_stack_name
 from fp8rl_jax.parallel.rules import LOGICAL_RULES, ShardingPlan, shard_state, state_shardings
 
 
@@ -60,13 +67,26 @@ def build_sharded_model(cfg, params: dict[str, Any] | None, mesh: Mesh, *, linea
         return nnx.merge(graphdef, new_state), plans[0]
     flat = list(nnx.to_flat_state(state))
     names = [".".join(str(p) for p in path) for path, _ in flat]
-    missing = [n for n in names if n not in params]
+    shapes = {n: tuple((var.get_value() if isinstance(var, nnx.Variable) else var).shape)
+              for n, (_, var) in zip(names, flat)}
+    # stacked experts given per expert (the HF naming): assembled per shard below, never stacked whole
+    per_expert = {n: expert_names(n, shapes[n][0]) for n in names
+                  if is_expert_stack_name(n) and n not in params and any(p in params for p in
+                                                                          expert_names(n, shapes[n][0]))}
+    missing = [n for n in names if n not in params and n not in per_expert]
+    missing += [p for parts in per_expert.values() for p in parts if p not in params]
     if missing:
         raise KeyError(f"checkpoint is missing {len(missing)} parameter(s) the model needs, e.g. {missing[:5]}")
     sh_flat = dict((tuple(p), v) for p, v in nnx.to_flat_state(shardings))
     out = []
     for (path, var), name in zip(flat, names):
         want = var.get_value() if isinstance(var, nnx.Variable) else var
+        sh = sh_flat[tuple(path)]
+        sh = sh.get_value() if isinstance(sh, nnx.Variable) else sh
+        if name in per_expert:
+            arr = _stack_sharded([params[p] for p in per_expert[name]], per_expert[name], want, sh)
+            out.append((path, var.replace(arr) if isinstance(var, nnx.Variable) else arr))
+            continue
         arr = params[name]
         if tuple(np.shape(arr)) != tuple(want.shape):
             raise ValueError(f"shape mismatch for {name}: model expects {tuple(want.shape)}, checkpoint has "
@@ -74,11 +94,33 @@ def build_sharded_model(cfg, params: dict[str, Any] | None, mesh: Mesh, *, linea
         host = arr if isinstance(arr, jax.Array) else np.asarray(arr)
         if host.dtype != want.dtype:
             host = host.astype(want.dtype)
-        sh = sh_flat[tuple(path)]
-        sh = sh.get_value() if isinstance(sh, nnx.Variable) else sh
         out.append((path, var.replace(jax.device_put(host, sh)) if isinstance(var, nnx.Variable) else
                     jax.device_put(host, sh)))
     return nnx.merge(graphdef, nnx.from_flat_state(out)), plans[0]
+
+
+def _stack_sharded(parts: list, names: list[str], want, sharding) -> jax.Array:
+    """The ``[E, ...]`` stack of ``parts`` (E per-expert arrays) as a global array with ``sharding``.
+
+    Host (numpy) parts: ``jax.make_array_from_callback``, each device gets the stack of only its experts' (and
+    rows') slices, cast to ``want.dtype``. JAX-array parts: one jitted ``jnp.stack`` with ``out_shardings``.
+
+    Raises:
+      ValueError: a part's shape is not ``want.shape[1:]`` (names it).
+    """
+    for n, a in zip(names, parts):
+        if tuple(np.shape(a)) != tuple(want.shape[1:]):
+            raise ValueError(f"shape mismatch for {n}: model expects {tuple(want.shape[1:])}, checkpoint has "
+                             f"{tuple(np.shape(a))} (config and weights disagree)")
+    if any(isinstance(a, jax.Array) for a in parts):
+        return jax.jit(lambda xs: jnp.stack(xs).astype(want.dtype), out_shardings=sharding)(list(parts))
+    host = [np.asarray(a) for a in parts]
+
+    def shard(index):
+        experts = range(*index[0].indices(len(host)))
+        return np.stack([host[j][tuple(index[1:])] for j in experts]).astype(want.dtype)
+
+    return jax.make_array_from_callback(tuple(want.shape), sharding, shard)
 
 
 def shard_model(model, mesh: Mesh, rules: Sequence[tuple[str, tuple[str, ...]]] = LOGICAL_RULES) -> ShardingPlan:

@@ -18,11 +18,14 @@ see what was replicated, and the trainer logs them. A mesh axis is used at most 
 that asks for an axis already taken by an earlier one does without it). Parameters no rule matches are
 replicated and listed in ``ShardingPlan.unmatched``.
 
-MoE experts: the model keeps one variable per expert (``mlp.experts.{j}.gate_proj.weight``), so there is no
-experts dimension to place on the ``expert`` mesh axis: each expert's weights are sharded like a dense MLP
-(``expert_mlp -> tensor``, ``embed -> fsdp, expert``), i.e. the ``expert`` axis acts as one more fsdp/batch axis.
-True expert parallelism (experts on different devices, all-to-all token dispatch) needs a stacked ``[E, ...]``
-layout; the rules already map such a dimension (``experts -> expert``).
+MoE experts: the model stacks each layer's experts (``mlp.experts.gate_proj.weight`` ``[E, I, H]``,
+``down_proj`` ``[E, H, I]``, :mod:`fp8rl_jax.models.experts`), so the leading dimension gets the logical axis
+``experts`` -> mesh axis ``expert`` (expert parallelism of the weights: each device of an ``expert=4`` mesh holds
+``E/4`` experts), and each expert's inner dimensions are sharded like a dense MLP's (``expert_mlp -> tensor``,
+``embed -> fsdp``; ``embed`` does not get ``expert`` again, a mesh axis is used once per array). The per-expert HF
+names (``mlp.experts.{j}.gate_proj.weight``, what checkpoints, exports and vLLM use) match the same rules without
+the leading axis. Tokens are not dispatched all-to-all: the grouped matmul (``jax.lax.ragged_dot``) is partitioned
+by XLA's sharding propagation.
 
 Float8 linears (``weight`` e4m3 + ``weight_scale_inv`` ``[ceil(N/128), ceil(K/128)]``) get the weight's logical
 axes on both (the scale grid is then usually replicated by the divisibility rule).

@@ -38,6 +38,7 @@ from fp8rl_jax.fp8.kv_cache import (DEFAULT_BLOCK_SIZE, KVCacheCapacity, KVScale
 from fp8rl_jax.fp8.pallas_attention import use_fp8_kv_kernel
 from fp8rl_jax.models.config import ModelConfig
 from fp8rl_jax.models.decoder import Attention, KVCache, left_pad, param_name, positions_from_mask
+from fp8rl_jax.models.experts import expert_names, is_expert_stack_name, split_expert_stacks
 from fp8rl_jax.models.fused import fuse_tensors, split_names, split_tensors
 from fp8rl_jax.models.loading import build_model
 from fp8rl_jax.rollout.sampling import sample_tokens
@@ -170,7 +171,12 @@ class JaxRolloutEngine:
         self.sharding_plan = None
         self._place_on_mesh()
         self._names = {param_name(p): v for p, v in nnx.to_flat_state(nnx.state(self.model, nnx.Param))}
-        self._hf_names = set(split_names(self._names, self.fused_projections))
+        # Qwen3-MoE experts are [E, N, K] stacks (fp8rl_jax.models.experts); updates name them per expert
+        self._expert_stacks = {n: tuple(expert_names(n, v[...].shape[0])) for n, v in self._names.items()
+                               if is_expert_stack_name(n)}
+        per_expert = {p for parts in self._expert_stacks.values() for p in parts}
+        self._fused_part_names = set(split_names(self._names, self.fused_projections))
+        self._hf_names = (self._fused_part_names - set(self._expert_stacks)) | per_expert
         self.weights_version = weights.version
         self.kv_scales: KVScales | None = None
         self.kv_scales_version = -1
@@ -262,7 +268,10 @@ class JaxRolloutEngine:
 
         With :attr:`fused_projections` the weights may come fused (``export_weights(fuse=True)``: each array is
         installed as it is, no copy) or under the HF names (each group's parts are concatenated by one jitted
-        program: a copy of those tensors).
+        program: a copy of those tensors). A Qwen3-MoE model's experts come per expert under the HF names
+        (``model.layers.{i}.mlp.experts.{j}.gate_proj.weight`` + ``_scale_inv``, what every export names them) and
+        are restacked into the engine's ``[E, N, K]`` stacks by one jitted program whose outputs keep the stacks'
+        shardings (or come already stacked under the stacked names, installed as they are).
 
         Raises:
           ValueError: wrong format, missing/unexpected names, a shape/dtype mismatch, or malformed kv scales
@@ -271,10 +280,28 @@ class JaxRolloutEngine:
         t0 = time.perf_counter()
         self._check_format(weights)
         tensors = weights.tensors
+        restack = {s: parts for s, parts in self._expert_stacks.items()
+                   if s not in tensors and any(p in tensors for p in parts)}
+        if restack:  # per-expert HF tensors -> the engine's stacks (one jitted program, shardings kept)
+            missing = [p for parts in restack.values() for p in parts if p not in tensors]
+            if missing:
+                raise ValueError(f"weight names do not match the engine: missing {sorted(missing)[:5]}")
+            for s, parts in restack.items():
+                want_shape = tuple(self._names[s][...].shape[1:])
+                for p in parts:
+                    if tuple(tensors[p].shape) != want_shape:
+                        raise ValueError(f"shape mismatch for {p}: engine has {want_shape}, update has "
+                                         f"{tuple(tensors[p].shape)}")
+            dtypes = tuple((s, jnp.dtype(self._names[s][...].dtype).name) for s in sorted(restack))
+            shardings = {s: self._names[s][...].sharding for s, _ in dtypes}
+            stacked = _restack_jit(shardings, dtypes)({s: [tensors[p] for p in restack[s]] for s, _ in dtypes})
+            done = {p for parts in restack.values() for p in parts}
+            tensors = {**{k: v for k, v in tensors.items() if k not in done}, **stacked}
         got, want = {k for k in tensors if not is_kv_scale_name(k)}, set(self._names)
-        hf_naming = bool(got & (self._hf_names - want))  # the weights name the parts of a fused group
+        hf_fused = self._fused_part_names  # the HF names of fused groups' parts (stacks restacked above)
+        hf_naming = bool(got & (hf_fused - want))  # the weights name the parts of a fused group
         if hf_naming:
-            want = self._hf_names
+            want = hf_fused
         if got != want:
             raise ValueError(f"weight names do not match the engine: missing {sorted(want - got)[:5]}, "
                              f"unexpected {sorted(got - want)[:5]}")
@@ -409,9 +436,10 @@ class JaxRolloutEngine:
         """The served weights under the HF checkpoint names, ``{hf_name: array}`` (what an unfused export names).
 
         Unfused tensors are the live arrays; each fused ``qkv_proj`` / ``gate_up_proj`` tensor is returned as its
-        parts' row slices (copies). For checks and digests; ``update_weights`` takes either naming.
+        parts' row slices (copies), each stacked expert tensor as its per-expert slices (copies). For checks and digests; ``update_weights`` takes either naming.
         """
-        return split_tensors({k: v[...] for k, v in self._names.items()}, self.fused_projections)
+        return split_expert_stacks(split_tensors({k: v[...] for k, v in self._names.items()},
+                                                 self.fused_projections))
 
     def served_kv_scales(self) -> np.ndarray | None:
         """The ``k_scale``/``v_scale`` the engine uses, float32 ``[num_layers, 2]`` (None without scales)."""
@@ -427,6 +455,18 @@ class JaxRolloutEngine:
 
 # the engine's load program for weights that arrive under the HF names: each group's row concatenation
 _fuse_jit = jax.jit(fuse_tensors, static_argnames=("groups",))
+
+
+@functools.lru_cache(maxsize=8)
+def _restack_program(shardings: tuple, dtypes: tuple):
+    out_sh = {s: sh for s, sh in shardings}
+    return jax.jit(lambda parts: {s: jnp.stack(parts[s]).astype(dt) for s, dt in dtypes}, out_shardings=out_sh)
+
+
+def _restack_jit(shardings: dict, dtypes: tuple):
+    """The engine's restacking program for per-expert expert tensors: ``{stack: [E arrays]} -> {stack: [E, ...]}``
+    cast to the stacks' dtypes and placed with their shardings (one ``jax.jit``, cached by shardings and dtypes)."""
+    return _restack_program(tuple(sorted(shardings.items(), key=lambda kv: kv[0])), dtypes)
 
 
 @functools.partial(jax.jit, static_argnames=("cache_dtype",))
