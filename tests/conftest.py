@@ -6,6 +6,22 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# One persistent XLA compilation cache for the whole test session: this process and every subprocess it starts
+# (trainer scripts, multi-device workers, the two jax.distributed processes) inherit the variables, so a program
+# that several tests compile (the same tiny trainer, the same reference forward) is compiled once. The cache key
+# is the program itself (HLO, devices, compile options, jax/XLA versions): a hit returns the executable that
+# compiling again would give, so results are unchanged. The directory is new for each session (nothing stale) and
+# removed at exit; set JAX_COMPILATION_CACHE_DIR yourself to use another one, or to "" to compile everything.
+# Set here, before anything imports jax (jax reads these variables when it is imported).
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    import atexit
+    import shutil
+    import tempfile
+
+    _xla_cache = tempfile.mkdtemp(prefix="fp8rl-tests-xla-cache-")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _xla_cache
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")  # small programs too (trainer runs)
+    atexit.register(shutil.rmtree, _xla_cache, True)
 # No JAX platform is forced here: on a GPU machine the `gpu`-marked tests must run on the GPU. Every other test
 # runs with the CPU as JAX's default device (the autouse fixture below), so CPU-only tests compute on the CPU
 # whatever the machine, and their bit-exact references keep their meaning.
