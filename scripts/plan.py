@@ -43,7 +43,9 @@ def _model_config(source: str):
     from fp8rl_jax.models.loading import load_model_config
     from fp8rl_jax.models.presets import preset_for
 
-    if os.path.exists(source):
+    from fp8rl_jax.models.loading import PACKAGED_MODELS
+
+    if os.path.exists(source) or source in PACKAGED_MODELS:  # a checkpoint here, or a packaged one (quickstart)
         return load_model_config(source), source
     cfg = preset_for(source)
     if cfg is None:
@@ -122,7 +124,7 @@ def plan_rollout_step(cfg, model_cfg, mesh, rows: int, prompt_len: int, max_toke
     ids = jax.ShapeDtypeStruct((rows, prompt_len), jnp.int32, sharding=batch_sharding(mesh, (rows, prompt_len)))
     mask = jax.ShapeDtypeStruct((rows, prompt_len), jnp.bool_, sharding=batch_sharding(mesh, (rows, prompt_len)))
     f32, i32 = jax.ShapeDtypeStruct((), jnp.float32), jax.ShapeDtypeStruct((), jnp.int32)
-    lowered = _generate.trace(gd, _abstract(st, sh), ids, mask, jax.random.key(0), f32, i32, f32,
+    lowered = _generate.trace(gd, _abstract(st, sh), ids, mask, jax.random.key(0), i32, f32, i32, f32,
                               jax.ShapeDtypeStruct((1,), jnp.int32), *scales, n=cfg.samples_per_prompt,
                               max_tokens=max_tokens, greedy=False, use_top_k=False, use_top_p=False, pad_token_id=0,
                               cache_dtype=kv_cache_storage_dtype(kv, dtype),

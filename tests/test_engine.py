@@ -141,3 +141,28 @@ def test_fp8_export_layout(model):
     assert q.dtype == jnp.float8_e4m3fn and q.shape == (128, 256) and s.shape == (1, 2) and s.dtype == jnp.float32
     assert w.tensors["model.embed_tokens.weight"].dtype == jnp.bfloat16
     assert "model.embed_tokens.weight_scale_inv" not in w.tensors
+
+
+def test_sampling_noise_is_keyed_by_row_so_split_batches_sample_the_same(model):
+    """Row r's noise is fold_in(fold_in(key(seed), row_offset + r), step): generating the prompts in two calls
+    (row_offset = first prompt * n, as each process does in a multi-process rollout) or in KV-budget chunks gives
+    the whole batch's tokens; a different row_offset gives different samples."""
+    prompts = [[1, 2, 3, 4, 5], [6, 7, 8, 9, 10], [11, 12, 13, 14, 15], [16, 17, 18, 19, 20]]  # equal lengths
+    sp = SamplingParams(n=2, temperature=1.0, max_tokens=8, seed=11, ignore_eos=True)
+    fmt = export_weights(named_params(model), "float32")
+    eng = JaxRolloutEngine(CFG, fmt, precision="float32")
+    whole = eng.generate(prompts, sp)
+    first, second = eng.generate(prompts[:2], sp), eng.generate(prompts[2:], sp, row_offset=4)
+    np.testing.assert_array_equal(np.concatenate([first.response_token_ids, second.response_token_ids]),
+                                  whole.response_token_ids)
+    np.testing.assert_allclose(np.concatenate([first.rollout_logprobs, second.rollout_logprobs]),
+                               whole.rollout_logprobs, atol=1e-5)
+    assert (eng.generate(prompts[2:], sp).response_token_ids != second.response_token_ids).any()
+    # a KV budget of 4 sequences of 16 + 8 tokens: the batch runs in chunks, with the same samples
+    budget = 4 * 32 * 2 * CFG.num_hidden_layers * CFG.num_key_value_heads * CFG.head_dim * 4
+    chunked = JaxRolloutEngine(CFG, fmt, precision="float32", kv_cache_memory_bytes=budget)
+    rb = chunked.generate(prompts, sp)
+    assert chunked.last_num_chunks > 1
+    np.testing.assert_array_equal(rb.response_token_ids, whole.response_token_ids)
+    with pytest.raises(ValueError, match="row_offset"):
+        eng.generate(prompts, sp, row_offset=-1)

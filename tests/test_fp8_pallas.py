@@ -240,7 +240,8 @@ def test_engine_generate_program_lowers_for_cuda(monkeypatch, precision, kv):
     ids, mask = np.zeros((2, 16), np.int32), np.ones((2, 16), bool)
     scales = (e.kv_scales.k_scale, e.kv_scales.v_scale, None) if kv == "fp8_e4m3" else (None, None, None)
     lowered = eng_mod._generate.trace(
-        e.graphdef, e.state, ids, mask, jax.random.key(0), np.float32(1.0), np.int32(1), np.float32(1.0),
+        e.graphdef, e.state, ids, mask, jax.random.key(0), np.int32(0), np.float32(1.0), np.int32(1),
+        np.float32(1.0),
         np.array([2], np.int32), *scales, n=2, max_tokens=8, greedy=False, use_top_k=False, use_top_p=False,
         pad_token_id=0, cache_dtype=e.cache_dtype).lower(lowering_platforms=("cuda",))
     hlo = lowered.as_text()

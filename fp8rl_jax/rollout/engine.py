@@ -323,7 +323,7 @@ class JaxRolloutEngine:
         self.last_sync_s = time.perf_counter() - t0
 
     def generate(self, prompt_token_ids: Sequence[Sequence[int]], sampling_params: SamplingParams,
-                 expected_version: int | None = None) -> RolloutBatch:
+                 expected_version: int | None = None, *, row_offset: int = 0) -> RolloutBatch:
         """Sample completions (see :class:`RolloutBatch` for shapes).
 
         For an MoE model the batch carries the routing record of rollout routing replay (R3, arXiv 2510.11370):
@@ -335,6 +335,11 @@ class JaxRolloutEngine:
           prompt_token_ids: B prompts (lists of ids, at least one id each).
           sampling_params: vLLM-style sampling parameters.
           expected_version: when given, refuse to generate with weights of an older version.
+          row_offset: index of this call's first row in a larger batch. Sampling noise is keyed per row: row
+            ``r``'s token at step ``t`` uses ``fold_in(fold_in(key(seed), row_offset + r), t)``, so a batch split
+            into parts (KV-budget chunks, or several processes each generating a slice of the prompts with
+            ``row_offset = first_prompt * n``) samples what the whole batch would (up to float rounding of a
+            different batch shape).
 
         Raises:
           ValueError: an empty prompt, a token id outside the vocabulary, or one prompt's n samples not fitting
@@ -361,6 +366,8 @@ class JaxRolloutEngine:
         self.last_num_chunks = -(-len(prompts) // chunk)
         stop = set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(self.eos_token_ids))
         stop_arr = np.array(sorted(stop) or [-1], np.int32)
+        if isinstance(row_offset, bool) or not isinstance(row_offset, (int, np.integer)) or row_offset < 0:
+            raise ValueError(f"row_offset must be an int >= 0, got {row_offset!r}")
         if sp.seed is not None:
             key = jax.random.key(sp.seed)
         else:
@@ -372,14 +379,10 @@ class JaxRolloutEngine:
         scales = (self.kv_scales.k_scale, self.kv_scales.v_scale,
                   self.kv_scales.q_scale if self.fp8_attention else None) if fp8 else (None, None, None)
         outs = []
-        for c0 in range(0, len(prompts), chunk):
-            if self.last_num_chunks > 1:
-                key, ckey = jax.random.split(key)
-            else:
-                ckey = key
+        for c0 in range(0, len(prompts), chunk):  # rows keep their noise whatever the chunking (row-keyed)
             outs.append(_generate(
                 self.graphdef, self.state, self._batch_input(ids[c0:c0 + chunk]),
-                self._batch_input(mask[c0:c0 + chunk]), ckey,
+                self._batch_input(mask[c0:c0 + chunk]), key, jnp.int32(row_offset + c0 * sp.n),
                 jnp.float32(max(sp.temperature, 1e-6)), jnp.int32(max(sp.top_k, 1)), jnp.float32(sp.top_p),
                 jnp.asarray(stop_arr), *scales, n=sp.n, max_tokens=sp.max_tokens, greedy=greedy,
                 use_top_k=use_top_k, use_top_p=use_top_p, pad_token_id=self.pad_token_id,
@@ -483,13 +486,15 @@ def _score(graphdef, state, ids, mask, cont, k_scale=None, v_scale=None, q_scale
 
 @functools.partial(jax.jit, static_argnames=("n", "max_tokens", "greedy", "use_top_k", "use_top_p", "pad_token_id",
                                              "cache_dtype", "record_routing"))
-def _generate(graphdef, state, ids, mask, key, temperature, top_k, top_p, stop_ids, k_scale=None, v_scale=None,
+def _generate(graphdef, state, ids, mask, key, row_offset, temperature, top_k, top_p, stop_ids, k_scale=None,
+              v_scale=None,
               q_scale=None, *, n, max_tokens, greedy, use_top_k, use_top_p, pad_token_id, cache_dtype,
               record_routing=False):
     """Prefill + decode loop. Returns ``(toks [B, T], lps [B, T], lengths [B])`` and, with ``record_routing`` (an
     MoE model), ``resp_routing`` int32 ``[B, T, L, k]`` (-1 after a row's end) and ``prompt_routing`` int32
     ``[U, P, L, k]`` (the prefill's router top-k of the left-padded prompts, padding included): the rollout
-    routing record of R3 (arXiv 2510.11370)."""
+    routing record of R3 (arXiv 2510.11370). Row ``r`` samples step ``t`` with the key
+    ``fold_in(fold_in(key, row_offset + r), t)`` (int32 scalar ``row_offset``: see ``generate``)."""
     model = nnx.merge(graphdef, state)
     cfg = model.config
     u, p = ids.shape
@@ -514,9 +519,11 @@ def _generate(graphdef, state, ids, mask, key, temperature, top_k, top_p, stop_i
         step, _, _, _, _, _, done, _, _ = carry
         return (step < max_tokens) & ~jnp.all(done)
 
+    row_keys = jax.vmap(lambda r: jax.random.fold_in(key, r))(row_offset + jnp.arange(b, dtype=jnp.int32))
+
     def body(carry):
         step, cache, logits, key, toks, lps, done, pos, routes = carry
-        key, sub = jax.random.split(key)
+        sub = jax.vmap(lambda k: jax.random.fold_in(k, step))(row_keys)  # [b] keys: noise keyed by (row, step)
         tok, lp = sample_tokens(sub, logits, temperature, top_k, top_p, greedy=greedy, use_top_k=use_top_k,
                                 use_top_p=use_top_p)
         live = ~done  # this step's token is part of the response (the stop token included)

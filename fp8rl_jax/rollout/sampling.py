@@ -50,7 +50,8 @@ def sample_tokens(rng: jax.Array, logits: jax.Array, temperature: jax.Array, top
     """Sample one token per row and return its processed logprob.
 
     Args:
-      rng: PRNG key.
+      rng: one PRNG key for the whole batch, or ``[B]`` keys (one per row: row ``i``'s token then depends only on
+        ``rng[i]`` and its own logits, whatever the rest of the batch).
       logits: float32 ``[B, V]`` raw model logits.
       greedy: static; argmax decoding (logprobs then from ``log_softmax(logits)``).
 
@@ -62,6 +63,9 @@ def sample_tokens(rng: jax.Array, logits: jax.Array, temperature: jax.Array, top
         lp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     else:
         x = process_logits(logits, temperature, top_k, top_p, use_top_k, use_top_p)
-        tok = jax.random.categorical(rng, x, axis=-1).astype(jnp.int32)
+        if jnp.ndim(rng) == 0:
+            tok = jax.random.categorical(rng, x, axis=-1).astype(jnp.int32)
+        else:
+            tok = jax.vmap(lambda k, row: jax.random.categorical(k, row))(rng, x).astype(jnp.int32)
         lp = jax.nn.log_softmax(x, axis=-1)
     return tok, jnp.take_along_axis(lp, tok[:, None], axis=-1)[:, 0]

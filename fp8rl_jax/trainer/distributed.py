@@ -121,3 +121,71 @@ def to_host(x):
     from jax.experimental import multihost_utils
 
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+def process_prompt_slice(num_prompts: int) -> tuple[int, int] | None:
+    """This process's contiguous share ``[lo, hi)`` of a step's ``num_prompts`` prompts, or None.
+
+    None when there is one process, or when ``num_prompts`` does not divide by the process count (every process
+    then generates the whole batch, as before the split; the trainer warns once).
+    """
+    nproc = jax.process_count()
+    if nproc == 1 or num_prompts % nproc:
+        return None
+    per = num_prompts // nproc
+    lo = jax.process_index() * per
+    return lo, lo + per
+
+
+def gather_rollout(local, prompts, first_prompt: int):
+    """Every process's :class:`~fp8rl_jax.rollout.types.RolloutBatch` slice, concatenated in prompt order.
+
+    Each process generated ``prompts[first_prompt:first_prompt + U]`` (``n`` samples each, the same ``U`` on every
+    process: :func:`process_prompt_slice`); one ``multihost_utils.process_allgather(tiled=True)`` of a few arrays
+    gives every process the whole batch: ``response_token_ids`` / ``rollout_logprobs`` / ``response_mask``
+    ``[N, T]``, ``finish_reason``, ``prompt_index`` (into ``prompts``), and for an MoE engine the R3 routing record
+    (``routed_experts [N, T, L, k]``; ``prompt_routed_experts`` padded with -1 to the longest prompt for the
+    collective and sliced back). Exact: integers and float32 values travel unchanged.
+
+    Args:
+      local: this process's RolloutBatch (``prompt_index`` local to its slice).
+      prompts: the step's whole prompt list (the same on every process).
+      first_prompt: index in ``prompts`` of this process's first prompt.
+
+    Returns:
+      The whole step's RolloutBatch (same on every process).
+
+    Source: JAX ``jax.experimental.multihost_utils.process_allgather``.
+    """
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    from fp8rl_jax.rollout.types import RolloutBatch
+
+    arrays = {"response_token_ids": np.asarray(local.response_token_ids, np.int32),
+              "rollout_logprobs": np.asarray(local.rollout_logprobs, np.float32),
+              "response_mask": np.asarray(local.response_mask, np.float32),
+              "stopped": np.array([r == "stop" for r in local.finish_reason], np.int32),
+              "prompt_index": np.asarray(local.prompt_index, np.int32) + np.int32(first_prompt)}
+    if local.routed_experts is not None:
+        arrays["routed_experts"] = np.asarray(local.routed_experts, np.int32)
+    if local.prompt_routed_experts is not None:
+        longest = max(len(p) for p in prompts)
+        first = local.prompt_routed_experts[0]
+        padded = np.full((len(local.prompt_routed_experts), longest) + tuple(first.shape[1:]), -1, np.int32)
+        for i, r in enumerate(local.prompt_routed_experts):
+            padded[i, :len(r)] = r
+        arrays["prompt_routed_experts"] = padded
+    g = {k: np.asarray(v) for k, v in multihost_utils.process_allgather(arrays, tiled=True).items()}
+    index = g["prompt_index"].astype(np.int32)
+    rows = [list(prompts[int(i)]) for i in index]
+    prompt_routed = None
+    if "prompt_routed_experts" in g:
+        prompt_routed = [g["prompt_routed_experts"][i, :len(r)].astype(np.int32) for i, r in enumerate(rows)]
+    return RolloutBatch(prompt_token_ids=rows, response_token_ids=g["response_token_ids"].astype(np.int32),
+                        rollout_logprobs=g["rollout_logprobs"].astype(np.float32),
+                        response_mask=g["response_mask"].astype(np.float32),
+                        finish_reason=["stop" if s else "length" for s in g["stopped"]], prompt_index=index,
+                        weights_version=local.weights_version,
+                        routed_experts=g["routed_experts"].astype(np.int32) if "routed_experts" in g else None,
+                        prompt_routed_experts=prompt_routed)

@@ -43,7 +43,7 @@ from fp8rl_jax.trainer.checkpoint import (CheckpointStore, load_model_state, loa
                                           optimizer_state)
 from fp8rl_jax.trainer import dapo
 from fp8rl_jax.trainer.config import TrainConfig
-from fp8rl_jax.trainer.distributed import to_host
+from fp8rl_jax.trainer.distributed import gather_rollout, process_prompt_slice, to_host
 from fp8rl_jax.trainer.precision import (LossScaleConfig, LossScaleState, apply_train_precision, compute_dtype,
                                          init_loss_scale, wrap_optimizer)
 from fp8rl_jax.trainer.logprobs import left_pad, response_logprobs, sequence_routing
@@ -482,6 +482,28 @@ class RLTrainer:
         return sequence_routing(rb.prompt_routed_experts, rb.routed_experts, prompt_width)
 
     # -- one RL step ----------------------------------------------------------------------------------------
+    def _generate_rollout(self, prompts: list, sp: SamplingParams):
+        """The step's rollout. With several JAX processes and the embedded engine, each process generates its own
+        contiguous slice of the prompts (sampling noise is keyed by the global row, ``row_offset``) and the slices
+        are all-gathered (:func:`~fp8rl_jax.trainer.distributed.gather_rollout`), so the rollout work is split
+        across hosts and every process trains on the same whole batch. ``self.last_rollout_rows_local`` records
+        the rows this process generated."""
+        share = process_prompt_slice(len(prompts)) if isinstance(self.engine, JaxRolloutEngine) else None
+        if share is None:
+            if jax.process_count() > 1 and not getattr(self, "_warned_unsplit", False):
+                self._warned_unsplit = True
+                warnings.warn(f"{len(prompts)} prompts per generate call do not split evenly over "
+                              f"{jax.process_count()} processes (or the engine is not the embedded one): every "
+                              "process generates the whole batch (set train.prompts_per_step to a multiple of the "
+                              "process count to split the rollout)", RuntimeWarning, stacklevel=3)
+            rb = self.engine.generate(prompts, sp)
+            self.last_rollout_rows_local = len(rb.finish_reason)
+            return rb
+        lo, hi = share
+        local = self.engine.generate(prompts[lo:hi], sp, row_offset=lo * sp.n)
+        self.last_rollout_rows_local = len(local.finish_reason)
+        return gather_rollout(local, prompts, lo)
+
     def step(self) -> dict[str, float]:
         """Run one RL step and return its metrics (floats, verl-style names).
 
@@ -509,7 +531,7 @@ class RLTrainer:
                                 seed=cfg.seed * 1_000_003 + self.step_count + 104_729 * gen_batches[0])
             gen_batches[0] += 1
             t0 = time.perf_counter()
-            rb = self.engine.generate(prompts, sp)
+            rb = self._generate_rollout(prompts, sp)
             timers["rollout"] += time.perf_counter() - t0
             t0 = time.perf_counter()
             texts = [self.tokenizer.decode([int(t) for t, m in zip(row, mrow) if m > 0])
