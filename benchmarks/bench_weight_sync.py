@@ -273,6 +273,7 @@ def bench_size(size: str, repeats: int, with_vllm: bool, device: str, compare_ol
         row["shm_x_floor"] = (row["handover_s"] + row["shm_s"]) / f
     if "dist_s" in row:
         row["dist_x_floor"] = (row["handover_s"] + row["dist_s"]) / f
+        row["dist_GB_per_s"] = nbytes / row["dist_s"] / 1e9  # achieved broadcast bandwidth (payload / wall)
     if "export_s" in row:
         row["export_x_floor"] = row["export_s"] / f
         row["step_inprocess_s"] = row["walk_cached_s"] + row["export_s"] + row["handover_s"] + row["inprocess_s"]
@@ -309,14 +310,14 @@ COLS = [("size", "size"), ("payload_MB", "payload MB"), ("floor_s", "floor"), ("
         ("inprocess_x_floor", "in-process x floor"), ("inprocess_x_floor_threads", "in-process x floor (threads)"),
         ("shm_s", "shm"), ("shm_x_floor", "shm x floor"),
         ("shm_unstreamed_s", "shm unstreamed"),
-        ("dist_s", "dist"), ("dist_x_floor", "dist x floor"), ("vllm_s", "vllm")]
+        ("dist_s", "dist"), ("dist_x_floor", "dist x floor"), ("dist_GB_per_s", "dist GB/s"), ("vllm_s", "vllm")]
 
 
 def _table(rows) -> str:
     def fmt(r, c):
         v = r.get(c)
         if isinstance(v, float):
-            return f"{v:.3g}" if "_x_floor" in c or c == "payload_MB" else f"{v * 1e3:.1f}"
+            return f"{v:.3g}" if "_x_floor" in c or c in ("payload_MB", "dist_GB_per_s") else f"{v * 1e3:.1f}"
         return "-" if v is None else str(v)
 
     lines = ["| " + " | ".join(h for _, h in COLS) + " |", "|" + "---|" * len(COLS)]

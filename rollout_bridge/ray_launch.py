@@ -293,7 +293,8 @@ class TrainerActor:
 
     def sync_stats(self) -> dict:
         """The last sync's :class:`~rollout_bridge.transports.SyncStats` as a dict."""
-        return dataclasses.asdict(self.client.last_sync) if self.client.last_sync else {}
+        s = self.client.last_sync
+        return {**dataclasses.asdict(s), "gb_per_s": s.gb_per_s} if s else {}
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -566,6 +566,11 @@ class SyncStats:
     seconds: float
     buckets: int = 0
 
+    @property
+    def gb_per_s(self) -> float:
+        """Achieved bandwidth of the sync, payload GB (1e9 bytes) per wall second (0.0 for an instant sync)."""
+        return self.nbytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
 
 class Transport:
     """Base class: ``send(tensors, kv_scales, version, receivers, timeout_s) -> SyncStats``.

@@ -50,7 +50,10 @@ def test_trainer_and_rollout_actor_two_steps(tiny_dir, tmp_path, tmp_path_factor
         assert [m["step"] for m in history] == [1, 2]
         for m in history:
             assert np.isfinite(m["actor/loss"]) and m["timing/sync_s"] > 0
-        assert ray.get(job.trainer.sync_stats.remote())["transport"] == "shm"
+            assert m["sync/gb_per_s"] > 0 and m["sync/payload_gb"] > 0  # the achieved bandwidth, logged per step
+        stats = ray.get(job.trainer.sync_stats.remote())
+        assert stats["transport"] == "shm" and stats["nbytes"] == round(history[-1]["sync/payload_gb"] * 1e9)
+        assert stats["gb_per_s"] == stats["nbytes"] / stats["seconds"] / 1e9
         # the actor holds exactly what the trainer exported last (fingerprints from both processes)
         want = ray.get(job.trainer.export_digest.remote())
         got = ray.get(job.rollout[0].weights_digest.remote())

@@ -637,6 +637,9 @@ class RLTrainer:
                     "timing/train_s": t_train, "timing/sync_s": t_sync, "timing/verify_sync_s": t_verify,
                     "sync/probe_abs_diff": self.last_probe_diff,
                     "timing/step_s": time.perf_counter() - t_step})
+        moved = getattr(self.engine, "last_sync", None)  # a bridge engine's transport stats (rollout_bridge)
+        if moved is not None and getattr(moved, "seconds", 0) > 0:
+            out.update({"sync/payload_gb": moved.nbytes / 1e9, "sync/gb_per_s": moved.nbytes / moved.seconds / 1e9})
         if cfg.offload_optimizer:
             out.update({"timing/offload_s": t_offload, "memory/optimizer_offloaded_gb": offloaded / 2**30})
         self.last_texts = texts
