@@ -170,6 +170,26 @@ def test_named_params_round_trip_per_expert_hf_names(tmp_path):
     jax.clear_caches()
 
 
+def test_dense_init_equals_per_expert_draws():
+    """Expert j's gate/up/down are drawn from the j-th triple of successive ``rngs.params()`` keys (what one
+    ``Linear`` per expert drew), although the keys are made in one vectorized ``fold_in``; the stream advances."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from fp8rl_jax.models.experts import StackedExperts
+
+    ex = StackedExperts(5, 64, 32, linear_precision="dense", param_dtype=jnp.float32, dtype=jnp.float32,
+                        rngs=(rngs := nnx.Rngs(11)))
+    ref = nnx.Rngs(11)
+    init = nnx.initializers.normal(0.02)
+    for j in range(5):
+        for name, shape in (("gate_proj", (32, 64)), ("up_proj", (32, 64)), ("down_proj", (64, 32))):
+            np.testing.assert_array_equal(np.asarray(getattr(ex, name).weight[...][j]),
+                                          np.asarray(init(ref.params(), shape, jnp.float32)))
+    np.testing.assert_array_equal(jax.random.key_data(rngs.params()), jax.random.key_data(ref.params()))
+
+
 @pytest.mark.parametrize("precision,per_proj", [("dense", 1), ("fp8", 2)])
 def test_variable_count_is_per_layer_not_per_expert(precision, per_proj):
     """128 experts x 4 layers: 3 (x2 in FP8) expert variables per layer, as with 2 experts."""

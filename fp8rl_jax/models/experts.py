@@ -66,7 +66,7 @@ class ExpertLinear(Linear):
       num_experts, in_features, out_features: ``E``, ``K``, ``N`` (positive).
       precision: ``"dense"`` or ``"fp8"``.
       param_dtype, dtype: storage dtype of dense weights, compute dtype.
-      keys: ``E`` PRNG keys (dense only; ignored in FP8).
+      keys: ``E`` PRNG keys, a ``[E]`` key array or a sequence (dense only; ignored in FP8).
       block_size: FP8 weight block edge (128).
 
     Raises:
@@ -74,7 +74,7 @@ class ExpertLinear(Linear):
     """
 
     def __init__(self, num_experts: int, in_features: int, out_features: int, *, precision: str = "dense",
-                 param_dtype=jnp.float32, dtype=jnp.float32, keys: Sequence[jax.Array] | None = None,
+                 param_dtype=jnp.float32, dtype=jnp.float32, keys: jax.Array | Sequence[jax.Array] | None = None,
                  block_size: int = BLOCK_SIZE):
         if precision not in LINEAR_PRECISIONS:
             raise ValueError(f"linear precision {precision!r} not in {LINEAR_PRECISIONS}")
@@ -95,8 +95,8 @@ class ExpertLinear(Linear):
                 raise ValueError(f"a dense ExpertLinear needs {num_experts} PRNG keys, got "
                                  f"{None if keys is None else len(keys)}")
             init = nnx.initializers.normal(0.02)
-            self.weight = nnx.Param(jax.vmap(lambda k: init(k, (out_features, in_features), param_dtype))(
-                jnp.stack(list(keys))))
+            keys = keys if isinstance(keys, jax.Array) else jnp.stack(list(keys))
+            self.weight = nnx.Param(jax.vmap(lambda k: init(k, (out_features, in_features), param_dtype))(keys))
 
     def __call__(self, x: jax.Array) -> jax.Array:
         raise TypeError("ExpertLinear holds E experts: use apply(x, j) for one expert or stacked_kn() for "
@@ -127,6 +127,24 @@ class ExpertLinear(Linear):
         return jnp.swapaxes(w, 1, 2)
 
 
+def _param_keys(rngs: nnx.Rngs, n: int) -> jax.Array:
+    """``n`` successive ``rngs.params()`` keys as one ``[n]`` key array, drawn in one vectorized ``fold_in``.
+
+    An NNX ``RngStream`` call is ``fold_in(key, count); count += 1`` (flax ``nnx.rnglib.RngStream.__call__``), so
+    the keys are ``fold_in(key, count + i)`` for ``i < n``; the count then advances by ``n``. Drawing them one by
+    one costs a traced NNX state update each: ~2 s per Qwen3-30B-A3B layer under ``nnx.eval_shape`` (384 draws),
+    which made planning slow. Streams without that structure fall back to ``n`` calls.
+    """
+    stream = rngs.params
+    key, count = getattr(stream, "key", None), getattr(stream, "count", None)
+    if isinstance(key, nnx.Variable) and isinstance(count, nnx.Variable):
+        base, c0 = key[...], count[...]
+        keys = jax.vmap(lambda c: jax.random.fold_in(base, c))(c0 + jnp.arange(n, dtype=c0.dtype))
+        count[...] = c0 + n
+        return keys
+    return jnp.stack([rngs.params() for _ in range(n)])
+
+
 class StackedExperts(nnx.Module):
     """A Qwen3-MoE layer's experts: stacked SwiGLU ``down_proj(silu(gate_proj(x)) * up_proj(x))`` per expert.
 
@@ -149,17 +167,16 @@ class StackedExperts(nnx.Module):
         if min(num_experts, hidden_size, intermediate_size) <= 0:
             raise ValueError(f"StackedExperts needs positive sizes, got num_experts={num_experts}, "
                              f"hidden_size={hidden_size}, intermediate_size={intermediate_size}")
-        keys = ([[rngs.params() for _ in range(3)] for _ in range(num_experts)]
-                if linear_precision == "dense" else [[None] * 3 for _ in range(num_experts)])
-        lin = dict(precision=linear_precision, param_dtype=param_dtype, dtype=dtype)
         dense = linear_precision == "dense"
+        keys = _param_keys(rngs, 3 * num_experts).reshape(num_experts, 3) if dense else None
+        lin = dict(precision=linear_precision, param_dtype=param_dtype, dtype=dtype)
         self.num_experts = num_experts
         self.gate_proj = ExpertLinear(num_experts, hidden_size, intermediate_size,
-                                      keys=[k[0] for k in keys] if dense else None, **lin)
+                                      keys=keys[:, 0] if dense else None, **lin)
         self.up_proj = ExpertLinear(num_experts, hidden_size, intermediate_size,
-                                    keys=[k[1] for k in keys] if dense else None, **lin)
+                                    keys=keys[:, 1] if dense else None, **lin)
         self.down_proj = ExpertLinear(num_experts, intermediate_size, hidden_size,
-                                      keys=[k[2] for k in keys] if dense else None, **lin)
+                                      keys=keys[:, 2] if dense else None, **lin)
 
     def expert(self, j: int, x: jax.Array) -> jax.Array:
         """Expert ``j``'s SwiGLU on ``x [..., H] -> [..., H]`` (what a per-expert ``MLP`` computed)."""

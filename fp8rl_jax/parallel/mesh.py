@@ -12,8 +12,9 @@ annotations). Source: JAX "Distributed arrays and automatic parallelization"; ma
 What each axis does is decided by the rules in :mod:`fp8rl_jax.parallel.rules` (one module owns them):
 ``data`` replicates the parameters and splits the batch, ``fsdp`` splits the batch and shards the parameters'
 ``embed`` dimension (ZeRO-3 style: gathered per layer by XLA), ``tensor`` shards heads / MLP / vocab
-(Megatron style), ``expert`` shards a stacked experts dimension where the model has one and otherwise acts as
-one more fsdp/batch axis.
+(Megatron style), ``expert`` shards the Qwen3-MoE experts' stacked ``[E, ...]`` dimension (each device holds
+``E / expert`` experts' weights, :mod:`fp8rl_jax.models.experts`) and otherwise acts as one more fsdp/batch axis
+(dense parameters' ``embed`` dimension, the batch).
 """
 
 from __future__ import annotations
