@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 
 from fp8rl_jax.export import export_weights
+from hlo_calls import triton_launches
 from fp8rl_jax.fp8 import pallas_quant
 from fp8rl_jax.fp8.pallas_attention import decode_kernel_choice, fp8_kv_decode_attention, use_fp8_kv_kernel
 from fp8rl_jax.fp8.pallas_quant import gpu_lowering_available
@@ -285,21 +286,8 @@ def test_kernel_lowers_to_one_triton_launch_reading_e4m3_for_cuda(fp8_q):
 
 
 def _triton_launches(hlo: str) -> int:
-    """Triton custom calls executed by ``@main``, counted through the call graph (identical kernels are lowered once
-    into a private function that each use calls)."""
-    funcs, cur = {}, None
-    for line in hlo.splitlines():
-        m = re.match(r"\s*func\.func (?:public|private) @(\w+)\(", line)
-        if m:
-            cur = funcs.setdefault(m.group(1), [])
-        elif cur is not None:
-            cur.append(line)
-
-    def count(name):
-        return sum(("__gpu$xla.gpu.triton" in ln) + sum(count(c) for c in re.findall(r"call @(\w+)\(", ln))
-                   for ln in funcs[name])
-
-    return count("main")
+    """Triton custom calls executed by ``@main``, counted through the call graph (tests/hlo_calls.py)."""
+    return sum(triton_launches(hlo).values())
 
 
 def _cache_converts(hlo: str, shape: str) -> int:

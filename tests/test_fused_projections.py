@@ -39,6 +39,7 @@ from fp8rl_jax.models.fused import fused_projections, split_tensors, unfused_pro
 from fp8rl_jax.models.loading import build_model
 from fp8rl_jax.rollout.engine import JaxRolloutEngine, engine_fuses_projections
 from fp8rl_jax.rollout.types import SamplingParams
+from hlo_calls import triton_launches
 
 E4M3 = jnp.float8_e4m3fn
 # 128-aligned tiny Qwen3: q 256, k/v 128, gate/up 512 rows -> every group fuses
@@ -330,30 +331,14 @@ def test_real_smollm2_engine_with_fused_gate_up_equals_unfused():
 
 
 def _launches(hlo: str) -> collections.Counter:
-    """Triton launches per e4m3 weight shape (``"NxK"``), counted through the call graph from ``@main`` (a jitted
-    kernel wrapper is one private function called once per use)."""
-    funcs, cur = {}, None
-    for line in hlo.splitlines():
-        m = re.match(r"\s*func\.func (?:public|private) @(\w+)\(", line)
-        if m:
-            cur = funcs.setdefault(m.group(1), [])
-        elif cur is not None:
-            cur.append(line)
-    memo: dict = {}
+    """Triton launches per e4m3 weight shape (``"NxK"``), counted through the call graph from ``@main``
+    (tests/hlo_calls.py)."""
 
-    def count(name):
-        if name not in memo:
-            c = collections.Counter()
-            for line in funcs[name]:
-                if "__gpu$xla.gpu.triton" in line:
-                    m = re.search(r"tensor<(\d+x\d+)xf8E4M3FN>", line)
-                    c[m.group(1) if m else "other"] += 1
-                for callee in re.findall(r"call @(\w+)\(", line):
-                    c.update(count(callee))
-            memo[name] = c
-        return memo[name]
+    def weight_shape(line):
+        m = re.search(r"tensor<(\d+x\d+)xf8E4M3FN>", line)
+        return m.group(1) if m else "other"
 
-    return count("main")
+    return triton_launches(hlo, weight_shape)
 
 
 def test_decode_step_lowers_to_one_split_k_launch_per_fused_linear_for_cuda(monkeypatch):
