@@ -91,11 +91,12 @@ def _nonfinite_present(w: jax.Array) -> jax.Array:
 
 
 
-def _source_names(params, fused: tuple[FusedProjection, ...]) -> list[str]:
+def _source_names(params, fused: tuple[FusedProjection, ...], keep_stacks: bool = False) -> list[str]:
     """The export's tensor names before ``_scale_inv`` (``sorted``): the names of ``params`` with stacked experts
     as their per-expert HF names and each fused group's part tensors replaced by the fused ones; the order of
-    :func:`_export`'s ``bad`` flags."""
-    return fused_names(split_expert_names({k: tuple(v.shape) for k, v in params.items()}), fused)
+    :func:`_export`'s ``bad`` flags. With ``keep_stacks`` the expert stacks keep their stacked names."""
+    shapes = {k: tuple(v.shape) for k, v in params.items()}
+    return fused_names(sorted(shapes) if keep_stacks else split_expert_names(shapes), fused)
 
 
 def _split_mixed_stacks(params: dict, unquantized: tuple) -> dict:
@@ -114,9 +115,9 @@ def _split_mixed_stacks(params: dict, unquantized: tuple) -> dict:
 
 
 @functools.partial(jax.jit, static_argnames=("fmt", "block_size", "ue8m0", "unquantized", "check", "stack",
-                                             "fused"))
+                                             "fused", "keep_stacks"))
 def _export(params: dict, fmt: str, block_size: int, ue8m0: bool, unquantized: tuple = (), check: bool = True,
-            stack: bool = False, fused: tuple = ()):
+            stack: bool = False, fused: tuple = (), keep_stacks: bool = False):
     """The whole export as one XLA program: ``({name: array}, bad)``.
 
     ``bad`` is a bool ``[len(names)]`` in :func:`_source_names` order (True: that tensor holds NaN/inf), or None
@@ -125,7 +126,7 @@ def _export(params: dict, fmt: str, block_size: int, ue8m0: bool, unquantized: t
     :func:`~fp8rl_jax.fp8.pallas_quant.quantize_weights_fused` call that writes the fused buffers directly; their
     finiteness comes from the quantized output (or from the scales where the quantizer propagates NaN into them,
     the GPU Pallas kernel), dense tensors' (a fused group's biases: concatenated) from an ``isfinite`` reduction
-    fused with their cast.
+    fused with their cast. ``keep_stacks``: expert stacks leave as stacks (one tensor, one flag each).
     """
     from fp8rl_jax.fp8.pallas_quant import gpu_lowering_available
 
@@ -141,14 +142,17 @@ def _export(params: dict, fmt: str, block_size: int, ue8m0: bool, unquantized: t
                      if linears else {})
         # a stacked expert projection [E, N, K] is quantized as one call (bit-identical per expert), then handed
         # out per expert under the HF names
-        for n in [n for n in quantized if is_expert_stack_name(n)]:
+        for n in [n for n in quantized if is_expert_stack_name(n) and not keep_stacks]:
             q, sc = quantized.pop(n)
             quantized.update({name: (q[j], sc[j]) for j, name in enumerate(expert_names(n, q.shape[0]))})
             params = {k: v for k, v in params.items() if k != n}
         for g in fused:
             quantized[f"{g.name}.weight"] = quantize_weights_fused([params[f"{p}.weight"] for p in g.parts],
                                                                    block_size, ue8m0)
-    params = split_expert_stacks(params)  # dense expert stacks (bf16/float32 export): per-expert slices
+    if keep_stacks:  # a quantized stack is exported from `quantized`, not also as a dense tensor
+        params = {k: v for k, v in params.items() if k not in quantized or not is_expert_stack_name(k)}
+    else:
+        params = split_expert_stacks(params)  # dense expert stacks (bf16/float32 export): per-expert slices
     if fused:  # the groups' other tensors (Qwen2 biases) are concatenated under the fused names, then cast
         params = fuse_tensors({k: v for k, v in params.items() if k not in in_group}, fused)
     scale_has_nan = gpu_lowering_available()  # the Pallas GPU kernel maps NaN to inf before its block max
@@ -168,7 +172,8 @@ def _export(params: dict, fmt: str, block_size: int, ue8m0: bool, unquantized: t
 
 def export_weights(params: dict, fmt: str = "fp8_blockwise", *, block_size: int = BLOCK_SIZE, ue8m0: bool = False,
                    version: int = 0, check_finite: bool = True, kv_scales: KVScales | None = None,
-                   kv_scales_version: int | None = None, unquantized=(), fuse: bool = False) -> ExportedWeights:
+                   kv_scales_version: int | None = None, unquantized=(), fuse: bool = False,
+                   expert_stacks: bool = False) -> ExportedWeights:
     """Export HF-named params for a rollout engine.
 
     One compiled XLA program per (names, shapes, dtypes, options), cached by ``jax.jit``: every linear is
@@ -205,6 +210,12 @@ def export_weights(params: dict, fmt: str = "fp8_blockwise", *, block_size: int 
         quantization (no extra pass). ``metadata["fused_projections"]`` then lists the fused module names. For the
         embedded FP8 engine (:class:`fp8rl_jax.rollout.engine.JaxRolloutEngine`), not for vLLM (whose loader maps
         the HF shard names itself).
+      expert_stacks: export Qwen3-MoE expert stacks given as stacks (``...mlp.experts.gate_proj.weight``
+        ``[E, N, K]`` + ``weight_scale_inv [E, ceil(N/128), ceil(K/128)]``) under the stacked names, as the embedded
+        engine stores them, instead of per expert: no split into E tensors here and no restacking copy in
+        :meth:`~fp8rl_jax.rollout.engine.JaxRolloutEngine.update_weights`; each expert's slice is bit-identical to
+        its per-expert export. ``metadata["expert_stacks"]`` is then True. For the embedded engine only (vLLM loads
+        the per-expert HF names). A stack that ``unquantized`` names only in part is exported per expert anyway.
 
     Returns:
       :class:`ExportedWeights` (device arrays; no host copy), ``tensors`` in sorted name order.
@@ -219,14 +230,17 @@ def export_weights(params: dict, fmt: str = "fp8_blockwise", *, block_size: int 
     fused: tuple[FusedProjection, ...] = ()
     if fuse and fmt == "fp8_blockwise":
         fused = fused_projections({k: tuple(v.shape) for k, v in params.items()}, block_size, exclude=unq)
-    tensors, bad = _export(params, fmt, block_size, ue8m0, unq, bool(check_finite), fused=fused)
+    tensors, bad = _export(params, fmt, block_size, ue8m0, unq, bool(check_finite), fused=fused,
+                           keep_stacks=bool(expert_stacks))
     if check_finite and bad is not None and not isinstance(bad, jax.core.Tracer):
         flags = np.asarray(jax.device_get(bad))
         if flags.any():
-            names = _source_names(params, fused)
+            names = _source_names(_split_mixed_stacks(params, unq), fused, bool(expert_stacks))
             raise ValueError(f"refusing to export non-finite weights: {[names[i] for i in np.flatnonzero(flags)[:5]]} "
                              "contain NaN or inf")
     metadata = {"ue8m0": ue8m0}
+    if expert_stacks and any(is_expert_stack_name(k) for k in tensors):
+        metadata["expert_stacks"] = True
     if fused:
         metadata["fused_projections"] = tuple(g.name for g in fused)
     if kv_scales is not None:

@@ -224,6 +224,10 @@ class VllmRolloutEngine:
 
     def _check_signature(self, weights: ExportedWeights) -> None:
         fused = weights.metadata.get("fused_projections") if weights.metadata else None
+        if weights.metadata and weights.metadata.get("expert_stacks"):
+            raise ValueError("the export has stacked MoE experts (expert_stacks=True, the embedded engine's layout): "
+                             "vLLM loads the per-expert HF names (mlp.experts.{j}.*_proj); export with "
+                             "expert_stacks=False for a vLLM engine")
         if fused:
             raise ValueError(f"the export has fused projections ({list(fused)[:3]}...): vLLM's load_weights takes the "
                              "HF checkpoint names (q_proj/k_proj/v_proj, gate_proj/up_proj) and fuses them itself; "
@@ -247,7 +251,8 @@ class VllmRolloutEngine:
         """Sync one export into every vLLM worker and reset the prefix cache.
 
         Raises:
-          ValueError: wrong names/shapes/dtypes, or an export with fused projections (``fuse=True``; named;
+          ValueError: wrong names/shapes/dtypes, or an export in the embedded engine's layout (``fuse=True`` or
+            ``expert_stacks=True``; named;
             nothing is sent, the engine keeps its weights);
             ``weight_target="fp8"`` with a non-``fp8_blockwise`` export (raised by
             :func:`rollout_bridge.dlpack.vllm_tensors`).

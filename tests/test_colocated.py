@@ -14,6 +14,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 HERE = os.path.abspath(__file__)
 ROOT = os.path.dirname(os.path.dirname(HERE))
 
@@ -51,14 +53,24 @@ def _child(model_dir: str) -> dict:
         per_device_bytes += sum(s.data.nbytes for s in arr.addressable_shards if s.device == jax.devices()[0])
         whole_bytes += arr.nbytes
     q = tr.engine.model.model.layers[0].self_attn.q_proj.weight[...]
-    return {"aliased_fraction": aliased / total, "devices": len(devices), "q_dtype": str(q.dtype),
+    return {"stacked": sorted({n.split(".mlp.experts.")[1] for n in w.tensors if ".mlp.experts." in n}),
+            "aliased_fraction": aliased / total, "devices": len(devices), "q_dtype": str(q.dtype),
             "q_devices": len(q.sharding.device_set), "device0_fraction": per_device_bytes / whole_bytes}
 
 
-def test_engine_weights_are_the_sharded_export(tmp_path):
+@pytest.mark.parametrize("arch", ["dense", "moe"])
+def test_engine_weights_are_the_sharded_export(tmp_path, arch):
+    """Dense, and Qwen3-MoE (the expert stacks [E, N, K] are synced as stacks, ``expert_stacks=True``, so they too
+    are the export's buffers: no per-expert split and no restacking copy)."""
     from conftest import make_tiny_run_dir
 
-    d = make_tiny_run_dir(tmp_path / "tiny")
+    if arch == "moe":
+        from fp8rl_jax.models.moe import write_tiny_qwen3_moe
+
+        d = str(tmp_path / "tiny_moe")
+        write_tiny_qwen3_moe(d)
+    else:
+        d = make_tiny_run_dir(tmp_path / "tiny")
     env = dict(os.environ)
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip()
     r = subprocess.run([sys.executable, HERE, d], env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
@@ -67,6 +79,9 @@ def test_engine_weights_are_the_sharded_export(tmp_path):
     assert got["q_dtype"] == "float8_e4m3fn" and got["q_devices"] == 4, got  # the FP8 engine, on all 4 devices
     assert got["aliased_fraction"] == 1.0, got  # every engine weight is the export's own buffer: no copy
     assert got["device0_fraction"] < 0.5, got  # and device 0 holds a share, not the whole model
+    if arch == "moe":  # the sync carried the stacks under their stacked names
+        assert got["stacked"] == sorted(f"{p}_proj.weight{s}" for p in ("down", "gate", "up")
+                                        for s in ("", "_scale_inv")), got
 
 
 if __name__ == "__main__":

@@ -170,6 +170,58 @@ def test_named_params_round_trip_per_expert_hf_names(tmp_path):
     jax.clear_caches()
 
 
+def test_stacked_export_is_the_per_expert_export_and_installs_without_a_copy():
+    """``export_weights(expert_stacks=True)`` (the trainer's syncs into the embedded engine): each expert's slice of
+    the stacked e4m3 tensor and its scale_inv equal the per-expert export bit for bit; the engine installs the stacks
+    as they are (the served arrays are the export's buffers: no restacking copy) and serves what a per-expert
+    install serves; a NaN is named by its stack; vLLM refuses the layout by name."""
+    import dataclasses
+
+    import jax.numpy as jnp
+
+    from fp8rl_jax.export import ModelParamsReader, export_weights
+    from fp8rl_jax.models.decoder import named_params
+    from fp8rl_jax.models.loading import build_model
+    from fp8rl_jax.rollout.engine import JaxRolloutEngine
+
+    cfg = _cfg(num_experts=4)
+    model = build_model(cfg, seed=3)
+    stacks = ModelParamsReader(model)()
+    per = export_weights(named_params(model), "fp8_blockwise", version=1)
+    st = export_weights(stacks, "fp8_blockwise", version=1, expert_stacks=True)
+    assert st.metadata.get("expert_stacks") is True and "expert_stacks" not in per.metadata
+    stack_names = [k for k in st.tensors if ".mlp.experts." in k]
+    assert stack_names and all(".experts.gate_proj." in k or ".experts.up_proj." in k or ".experts.down_proj." in k
+                               for k in stack_names)
+    as_bytes = lambda a: np.asarray(a).view(np.uint8) if a.dtype.itemsize == 1 else np.asarray(a)  # noqa: E731
+    for name in stack_names:
+        layer, rest = name.split(".mlp.experts.")
+        for j in range(cfg.num_experts):
+            np.testing.assert_array_equal(as_bytes(st.tensors[name][j]),
+                                          as_bytes(per.tensors[f"{layer}.mlp.experts.{j}.{rest}"]))
+    assert {k for k in per.tensors if ".experts." not in k} == {k for k in st.tensors if ".experts." not in k}
+    eng_per = JaxRolloutEngine(cfg, per, log_kv_cache=False)
+    eng = JaxRolloutEngine(cfg, per, log_kv_cache=False)
+    eng.update_weights(st)
+    w = eng.model.model.layers[1].mlp.experts.up_proj.weight[...]
+    assert w is st.tensors["model.layers.1.mlp.experts.up_proj.weight"]  # installed, not copied
+    served, want = eng.named_weights(), eng_per.named_weights()
+    assert set(served) == set(want)
+    for k in want:
+        np.testing.assert_array_equal(as_bytes(served[k]), as_bytes(want[k]))
+    nan = dict(stacks, **{"model.layers.0.mlp.experts.down_proj.weight":
+                          stacks["model.layers.0.mlp.experts.down_proj.weight"].at[2, 5, 5].set(jnp.inf)})
+    with pytest.raises(ValueError, match=r"layers\.0\.mlp\.experts\.down_proj\.weight"):
+        export_weights(nan, "fp8_blockwise", expert_stacks=True)
+    pytest.importorskip("torch", reason="the vLLM engine's refusal needs the [vllm] extra")
+    from rollout_bridge.vllm_engine import VllmRolloutEngine
+
+    refuse = VllmRolloutEngine.__new__(VllmRolloutEngine)  # the check runs before anything touches vLLM
+    refuse._signature = None
+    with pytest.raises(ValueError, match="stacked MoE experts.*expert_stacks=False"):
+        refuse._check_signature(dataclasses.replace(st))
+
+
 def test_dense_init_equals_per_expert_draws():
     """Expert j's gate/up/down are drawn from the j-th triple of successive ``rngs.params()`` keys (what one
     ``Linear`` per expert drew), although the keys are made in one vectorized ``fold_in``; the stream advances."""

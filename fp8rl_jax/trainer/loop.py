@@ -60,6 +60,13 @@ def _fuses(engine) -> bool:
     return bool(getattr(engine, "fused_projections", ()))
 
 
+def _sync_options(engine) -> dict:
+    """:meth:`RLTrainer.export` options for a sync into ``engine``: the embedded engine gets its own layout (fused
+    projections where it runs them, Qwen3-MoE expert stacks ``[E, N, K]`` as stacks: installed without a copy);
+    any other engine, vLLM included, the HF checkpoint names."""
+    return {"fuse": _fuses(engine), "expert_stacks": isinstance(engine, JaxRolloutEngine)}
+
+
 def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
     """optax chain: global-norm clipping, then AdamW with linear warmup to a constant learning rate."""
     lr = cfg.learning_rate if cfg.warmup_steps == 0 else optax.linear_schedule(
@@ -150,7 +157,7 @@ class RLTrainer:
                                       fp8_attention=config.fp8_attention,
                                       mesh=self.mesh if self._engine_on_mesh else None)
         else:
-            engine.update_weights(self.export(fuse=_fuses(engine)))
+            engine.update_weights(self.export(**_sync_options(engine)))
         self.engine = engine
         self.init_sync_s = time.perf_counter() - t0
         self.moe_layers = tuple(i for i in range(model_cfg.num_hidden_layers) if model_cfg.is_sparse_layer(i))
@@ -240,7 +247,7 @@ class RLTrainer:
         if it is not None:  # the batch stream is a pure function of (dataset, batch size, seed, position)
             self.batches = self.dataset.iterate_batches(it["batch_size"], it["seed"], start_index=it["position"],
                                                         shuffle=it.get("shuffle", True))
-        self.engine.update_weights(self.export(fuse=_fuses(self.engine)))
+        self.engine.update_weights(self.export(**_sync_options(self.engine)))
         self._verify_after_sync()
         return self.step_count
 
@@ -320,12 +327,13 @@ class RLTrainer:
         warnings.warn(msg, RuntimeWarning, stacklevel=2)
 
     # -- pieces -------------------------------------------------------------------------------------------
-    def export(self, fuse: bool = False):
+    def export(self, fuse: bool = False, expert_stacks: bool = False):
         """The current params as :class:`ExportedWeights` in the engine's format (version = step count).
 
         Under the HF checkpoint names, or with ``fuse`` (what the trainer's own syncs pass for an engine that runs
         fused projections, :attr:`fp8rl_jax.rollout.engine.JaxRolloutEngine.fused_projections`) with q/k/v and
-        gate/up fused as vLLM's ``qkv_proj`` / ``gate_up_proj`` (:func:`fp8rl_jax.export.export_weights`).
+        gate/up fused as vLLM's ``qkv_proj`` / ``gate_up_proj`` (:func:`fp8rl_jax.export.export_weights`); with
+        ``expert_stacks`` (the embedded engine's syncs) Qwen3-MoE experts as the model's ``[E, N, K]`` stacks.
 
         With ``kv_cache_dtype="fp8_e4m3"`` the q/k/v maxima captured by this step's training forward(s) are
         turned into new per-layer ``k_scale``/``v_scale``/``q_scale`` here (tagged with this version) and ride
@@ -342,7 +350,8 @@ class RLTrainer:
         if reader is None or reader.model is not self.model:
             reader = self._export_reader = ModelParamsReader(self.model)
         w = export_weights(reader(), self.export_format, version=self.step_count, kv_scales=kv,
-                           kv_scales_version=self.kv_scales_version if kv is not None else None, fuse=fuse)
+                           kv_scales_version=self.kv_scales_version if kv is not None else None, fuse=fuse,
+                           expert_stacks=expert_stacks)
         if self.mesh is not None and jax.process_count() > 1:
             # multi-process: gather each tensor (replicated over the mesh, one collective program), then hand this
             # process's engine its local copy
@@ -613,7 +622,7 @@ class RLTrainer:
 
         self.step_count += 1
         t0 = time.perf_counter()
-        self.engine.update_weights(self.export(fuse=_fuses(self.engine)))
+        self.engine.update_weights(self.export(**_sync_options(self.engine)))
         jax.block_until_ready(jax.tree.leaves(getattr(self.engine, "state", None) or [0]))
         t_sync = time.perf_counter() - t0
         t0 = time.perf_counter()
