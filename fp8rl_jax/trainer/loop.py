@@ -31,7 +31,7 @@ from fp8rl_jax.data import get_reward_fn, make_train_dataset
 from fp8rl_jax.export import ModelParamsReader, export_weights
 from fp8rl_jax.fp8.kv_cache import (KV_SCALE_CALIBRATIONS, KVScales, calibrate_kv_scales, masked_row_absmax,
                                     normalize_kv_cache_dtype)
-from fp8rl_jax.models.decoder import named_params, positions_from_mask, qkv_absmax_from_intermediates, set_qkv_capture
+from fp8rl_jax.models.decoder import positions_from_mask, qkv_absmax_from_intermediates, set_qkv_capture
 from fp8rl_jax.models.loading import build_model, load_checkpoint, load_tokenizer_for
 from fp8rl_jax.parallel.loading import build_sharded_model, shard_optimizer
 from fp8rl_jax.parallel.mesh import MeshConfig, format_mesh_shape, mesh_from, mesh_shape_of
