@@ -140,18 +140,17 @@ def _export(params: dict, fmt: str, block_size: int, ue8m0: bool, unquantized: t
                    if is_quantized_linear(name) and not _in_modules(name, unquantized) and name not in in_group}
         quantized = (quantize_weights_batched(linears, block_size, ue8m0, check=False, stack=stack)
                      if linears else {})
-        # a stacked expert projection [E, N, K] is quantized as one call (bit-identical per expert), then handed
-        # out per expert under the HF names
-        for n in [n for n in quantized if is_expert_stack_name(n) and not keep_stacks]:
+        # a stacked expert projection [E, N, K] is quantized as one call (bit-identical per expert), then exported
+        # from `quantized` only: as the stack (keep_stacks), else per expert under the HF names
+        stacks = [n for n in quantized if is_expert_stack_name(n)]
+        params = {k: v for k, v in params.items() if k not in stacks}
+        for n in stacks if not keep_stacks else ():
             q, sc = quantized.pop(n)
             quantized.update({name: (q[j], sc[j]) for j, name in enumerate(expert_names(n, q.shape[0]))})
-            params = {k: v for k, v in params.items() if k != n}
         for g in fused:
             quantized[f"{g.name}.weight"] = quantize_weights_fused([params[f"{p}.weight"] for p in g.parts],
                                                                    block_size, ue8m0)
-    if keep_stacks:  # a quantized stack is exported from `quantized`, not also as a dense tensor
-        params = {k: v for k, v in params.items() if k not in quantized or not is_expert_stack_name(k)}
-    else:
+    if not keep_stacks:
         params = split_expert_stacks(params)  # dense expert stacks (bf16/float32 export): per-expert slices
     if fused:  # the groups' other tensors (Qwen2 biases) are concatenated under the fused names, then cast
         params = fuse_tensors({k: v for k, v in params.items() if k not in in_group}, fused)

@@ -223,13 +223,13 @@ class VllmRolloutEngine:
         return self.llm.collective_rpc(method, args=args, timeout=self.sync_timeout_s)
 
     def _check_signature(self, weights: ExportedWeights) -> None:
-        fused = weights.metadata.get("fused_projections") if weights.metadata else None
-        if weights.metadata and weights.metadata.get("expert_stacks"):
+        meta = weights.metadata or {}
+        if meta.get("expert_stacks"):
             raise ValueError("the export has stacked MoE experts (expert_stacks=True, the embedded engine's layout): "
                              "vLLM loads the per-expert HF names (mlp.experts.{j}.*_proj); export with "
                              "expert_stacks=False for a vLLM engine")
-        if fused:
-            raise ValueError(f"the export has fused projections ({list(fused)[:3]}...): vLLM's load_weights takes the "
+        if meta.get("fused_projections"):
+            raise ValueError(f"the export has fused projections ({list(meta['fused_projections'])[:3]}...): vLLM's load_weights takes the "
                              "HF checkpoint names (q_proj/k_proj/v_proj, gate_proj/up_proj) and fuses them itself; "
                              "export with fuse=False for a vLLM engine")
         if self._signature is None:
@@ -252,8 +252,7 @@ class VllmRolloutEngine:
 
         Raises:
           ValueError: wrong names/shapes/dtypes, or an export in the embedded engine's layout (``fuse=True`` or
-            ``expert_stacks=True``; named;
-            nothing is sent, the engine keeps its weights);
+            ``expert_stacks=True``) (named; nothing is sent, the engine keeps its weights);
             ``weight_target="fp8"`` with a non-``fp8_blockwise`` export (raised by
             :func:`rollout_bridge.dlpack.vllm_tensors`).
           WeightSyncError: the transport or a worker failed or timed out; the engine refuses to generate until a

@@ -40,10 +40,8 @@ def _ensure_devices(n: int) -> None:
 
 
 def _model_config(source: str):
-    from fp8rl_jax.models.loading import load_model_config
+    from fp8rl_jax.models.loading import PACKAGED_MODELS, load_model_config
     from fp8rl_jax.models.presets import preset_for
-
-    from fp8rl_jax.models.loading import PACKAGED_MODELS
 
     if os.path.exists(source) or source in PACKAGED_MODELS:  # a checkpoint here, or a packaged one (quickstart)
         return load_model_config(source), source

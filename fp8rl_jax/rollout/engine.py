@@ -439,7 +439,8 @@ class JaxRolloutEngine:
         """The served weights under the HF checkpoint names, ``{hf_name: array}`` (what an unfused export names).
 
         Unfused tensors are the live arrays; each fused ``qkv_proj`` / ``gate_up_proj`` tensor is returned as its
-        parts' row slices (copies), each stacked expert tensor as its per-expert slices (copies). For checks and digests; ``update_weights`` takes either naming.
+        parts' row slices (copies), each stacked expert tensor as its per-expert slices (copies). For checks and
+        digests; ``update_weights`` takes either naming.
         """
         return split_expert_stacks(split_tensors({k: v[...] for k, v in self._names.items()},
                                                  self.fused_projections))
@@ -487,8 +488,7 @@ def _score(graphdef, state, ids, mask, cont, k_scale=None, v_scale=None, q_scale
 @functools.partial(jax.jit, static_argnames=("n", "max_tokens", "greedy", "use_top_k", "use_top_p", "pad_token_id",
                                              "cache_dtype", "record_routing"))
 def _generate(graphdef, state, ids, mask, key, row_offset, temperature, top_k, top_p, stop_ids, k_scale=None,
-              v_scale=None,
-              q_scale=None, *, n, max_tokens, greedy, use_top_k, use_top_p, pad_token_id, cache_dtype,
+              v_scale=None, q_scale=None, *, n, max_tokens, greedy, use_top_k, use_top_p, pad_token_id, cache_dtype,
               record_routing=False):
     """Prefill + decode loop. Returns ``(toks [B, T], lps [B, T], lengths [B])`` and, with ``record_routing`` (an
     MoE model), ``resp_routing`` int32 ``[B, T, L, k]`` (-1 after a row's end) and ``prompt_routing`` int32
@@ -516,13 +516,13 @@ def _generate(graphdef, state, ids, mask, key, row_offset, temperature, top_k, t
     route_shape = (b, max_tokens, cfg.num_hidden_layers, cfg.num_experts_per_tok) if record_routing else (b, 0)
 
     def cond(carry):
-        step, _, _, _, _, _, done, _, _ = carry
+        step, _, _, _, _, done, _, _ = carry
         return (step < max_tokens) & ~jnp.all(done)
 
     row_keys = jax.vmap(lambda r: jax.random.fold_in(key, r))(row_offset + jnp.arange(b, dtype=jnp.int32))
 
     def body(carry):
-        step, cache, logits, key, toks, lps, done, pos, routes = carry
+        step, cache, logits, toks, lps, done, pos, routes = carry
         sub = jax.vmap(lambda k: jax.random.fold_in(k, step))(row_keys)  # [b] keys: noise keyed by (row, step)
         tok, lp = sample_tokens(sub, logits, temperature, top_k, top_p, greedy=greedy, use_top_k=use_top_k,
                                 use_top_p=use_top_p)
@@ -538,12 +538,12 @@ def _generate(graphdef, state, ids, mask, key, row_offset, temperature, top_k, t
             routes = routes.at[:, step].set(jnp.where(live[:, None, None], r[:, 0], -1))
         else:
             h, cache = model.hidden_states(tok[:, None], pos[:, None], kv_mask, cache, p + step)
-        return step + 1, cache, model.logits(h[:, 0]), key, toks, lps, done, pos + 1, routes
+        return step + 1, cache, model.logits(h[:, 0]), toks, lps, done, pos + 1, routes
 
-    init = (jnp.int32(0), cache, logits, key, jnp.full((b, max_tokens), pad_token_id, jnp.int32),
+    init = (jnp.int32(0), cache, logits, jnp.full((b, max_tokens), pad_token_id, jnp.int32),
             jnp.zeros((b, max_tokens), jnp.float32), jnp.zeros((b,), bool), next_pos,
             jnp.full(route_shape, -1, jnp.int32))
-    _, _, _, _, toks, lps, done, _, routes = jax.lax.while_loop(cond, body, init)
+    _, _, _, toks, lps, done, _, routes = jax.lax.while_loop(cond, body, init)
     # length = index of the first stop token + 1, else max_tokens
     is_stop = jnp.any(toks[:, :, None] == stop_ids[None, None, :], axis=-1)
     first = jnp.where(jnp.any(is_stop, axis=1), jnp.argmax(is_stop, axis=1) + 1, max_tokens)

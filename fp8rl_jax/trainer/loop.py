@@ -54,17 +54,12 @@ _ADVANTAGES = {"grpo": objectives.grpo_advantages, "drgrpo": objectives.drgrpo_a
                "rloo": objectives.rloo_advantages}
 
 
-def _fuses(engine) -> bool:
-    """Whether ``engine`` serves fused ``qkv_proj`` / ``gate_up_proj`` (then the trainer's sync exports them fused;
-    any other engine, vLLM included, gets the HF names)."""
-    return bool(getattr(engine, "fused_projections", ()))
-
-
 def _sync_options(engine) -> dict:
     """:meth:`RLTrainer.export` options for a sync into ``engine``: the embedded engine gets its own layout (fused
-    projections where it runs them, Qwen3-MoE expert stacks ``[E, N, K]`` as stacks: installed without a copy);
-    any other engine, vLLM included, the HF checkpoint names."""
-    return {"fuse": _fuses(engine), "expert_stacks": isinstance(engine, JaxRolloutEngine)}
+    ``qkv_proj`` / ``gate_up_proj`` where it runs them, Qwen3-MoE expert stacks ``[E, N, K]`` as stacks: installed
+    without a copy); any other engine, vLLM included, the HF checkpoint names."""
+    return {"fuse": bool(getattr(engine, "fused_projections", ())),
+            "expert_stacks": isinstance(engine, JaxRolloutEngine)}
 
 
 def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
@@ -495,8 +490,7 @@ class RLTrainer:
         """The step's rollout. With several JAX processes and the embedded engine, each process generates its own
         contiguous slice of the prompts (sampling noise is keyed by the global row, ``row_offset``) and the slices
         are all-gathered (:func:`~fp8rl_jax.trainer.distributed.gather_rollout`), so the rollout work is split
-        across hosts and every process trains on the same whole batch. ``self.last_rollout_rows_local`` records
-        the rows this process generated."""
+        across hosts and every process trains on the same whole batch."""
         share = process_prompt_slice(len(prompts)) if isinstance(self.engine, JaxRolloutEngine) else None
         if share is None:
             if jax.process_count() > 1 and not getattr(self, "_warned_unsplit", False):
@@ -505,13 +499,9 @@ class RLTrainer:
                               f"{jax.process_count()} processes (or the engine is not the embedded one): every "
                               "process generates the whole batch (set train.prompts_per_step to a multiple of the "
                               "process count to split the rollout)", RuntimeWarning, stacklevel=3)
-            rb = self.engine.generate(prompts, sp)
-            self.last_rollout_rows_local = len(rb.finish_reason)
-            return rb
+            return self.engine.generate(prompts, sp)
         lo, hi = share
-        local = self.engine.generate(prompts[lo:hi], sp, row_offset=lo * sp.n)
-        self.last_rollout_rows_local = len(local.finish_reason)
-        return gather_rollout(local, prompts, lo)
+        return gather_rollout(self.engine.generate(prompts[lo:hi], sp, row_offset=lo * sp.n), prompts, lo)
 
     def step(self) -> dict[str, float]:
         """Run one RL step and return its metrics (floats, verl-style names).
@@ -647,8 +637,8 @@ class RLTrainer:
                     "sync/probe_abs_diff": self.last_probe_diff,
                     "timing/step_s": time.perf_counter() - t_step})
         moved = getattr(self.engine, "last_sync", None)  # a bridge engine's transport stats (rollout_bridge)
-        if moved is not None and getattr(moved, "seconds", 0) > 0:
-            out.update({"sync/payload_gb": moved.nbytes / 1e9, "sync/gb_per_s": moved.nbytes / moved.seconds / 1e9})
+        if moved is not None and moved.seconds > 0:
+            out.update({"sync/payload_gb": moved.nbytes / 1e9, "sync/gb_per_s": moved.gb_per_s})
         if cfg.offload_optimizer:
             out.update({"timing/offload_s": t_offload, "memory/optimizer_offloaded_gb": offloaded / 2**30})
         self.last_texts = texts
