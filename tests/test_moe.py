@@ -112,8 +112,8 @@ def test_sparse_block_matches_float64_loop(moe_cfg):
             h = silu(_np(e.gate_proj.weight[...][j]) @ xt[t]) * (_np(e.up_proj.weight[...][j]) @ xt[t])
             ref[t] += w[t, slot] * (_np(e.down_proj.weight[...][j]) @ h)
     assert np.abs(out.reshape(xt.shape) - ref).max() < 1e-5 * max(1.0, np.abs(ref).max())
-    # with a training-precision dot_general set on the experts (trainer/precision.py) the per-expert Linear path
-    # runs instead; with a plain lax.dot_general it computes the same values
+    # with a training-precision dot_general set on the experts (trainer/precision.py) the tiled path runs with it;
+    # with a plain lax.dot_general it computes the same values
     e = blk.experts
     for lin in (e.gate_proj, e.up_proj, e.down_proj):
         lin.dot_general = jax.lax.dot_general

@@ -279,6 +279,9 @@ def test_stacks_sharded_over_expert_axis_on_8_devices():
         assert got["loaded"]["values_equal"]
         assert got["logits_err"] < 1e-5, got
         assert got["grad_err"] < 1e-4, got
+        # the tiled grouped matmul (fp8rl_jax/models/grouped.py) on expert-sharded stacks
+        assert got["logits_err_tiled"] < 1e-5, got
+        assert got["grad_err_tiled"] < 1e-4, got
         assert got["tp_export_equal"], got
 
 
@@ -291,6 +294,7 @@ def _mesh_worker() -> dict:
     from fp8rl_jax.export_tp import export_tp_shards
     from fp8rl_jax.models.decoder import named_params
     from fp8rl_jax.models.loading import build_model
+    from fp8rl_jax.models.moe import SparseMoeBlock
     from fp8rl_jax.parallel.loading import build_sharded_model
     from fp8rl_jax.parallel.mesh import make_mesh
 
@@ -299,10 +303,12 @@ def _mesh_worker() -> dict:
     ref = build_model(cfg, seed=0)
     host = {k: np.asarray(v) for k, v in named_params(ref).items()}
     ids = jnp.asarray(np.random.default_rng(0).integers(0, 64, (2, 7)))
+    SparseMoeBlock.grouped_impl = "ragged_dot"  # the single-device reference
     want = np.asarray(ref(ids))
     loss = lambda m, x: jnp.sum(m(x) ** 2) / 1e3  # noqa: E731
     gref = {".".join(map(str, p)): np.asarray(v[...]) for p, v in
             nnx.to_flat_state(nnx.jit(nnx.grad(loss))(ref, ids))}
+    SparseMoeBlock.grouped_impl = "auto"
     out = {}
     for shape in ("fsdp=4,expert=2", "fsdp=2,expert=4"):
         mesh = make_mesh(shape)
@@ -318,10 +324,17 @@ def _mesh_worker() -> dict:
                                                for k, v in named_params(model).items())
                 got = np.asarray(nnx.jit(lambda m, x: m(x))(model, ids))
                 res["logits_err"] = float(np.abs(got - want).max())
-                g = nnx.jit(nnx.grad(loss))(model, ids)  # the backward through expert-sharded ragged_dot
-                res["grad_err"] = max(float(np.abs(np.asarray(v[...]) - gref[".".join(map(str, p))]).max() /
-                                            max(1e-6, np.abs(gref[".".join(map(str, p))]).max()))
-                                      for p, v in nnx.to_flat_state(g))
+                for impl in ("ragged_dot", "tiled"):  # the backward through expert-sharded grouped products
+                    SparseMoeBlock.grouped_impl = impl
+                    sfx = "" if impl == "ragged_dot" else "_tiled"
+                    if impl == "tiled":
+                        got = np.asarray(nnx.jit(lambda m, x: m(x))(model, ids))
+                        res["logits_err" + sfx] = float(np.abs(got - want).max())
+                    g = nnx.jit(nnx.grad(loss))(model, ids)
+                    res["grad_err" + sfx] = max(
+                        float(np.abs(np.asarray(v[...]) - gref[".".join(map(str, p))]).max() /
+                              max(1e-6, np.abs(gref[".".join(map(str, p))]).max())) for p, v in nnx.to_flat_state(g))
+                SparseMoeBlock.grouped_impl = "auto"
                 tp = "fsdp"  # vLLM TP over the fsdp axis: w13/w2 from the stacks == from per-expert tensors
                 a = export_tp_shards(ModelParamsReader(model)(), cfg, mesh, tp_axes=(tp,), fmt="bf16")
                 b = export_tp_shards(named_params(model), cfg, mesh, tp_axes=(tp,), fmt="bf16")

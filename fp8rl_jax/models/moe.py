@@ -22,18 +22,27 @@ path (``named_params``, ``load_named_params``, the FP8 export, the rollout engin
 :func:`~fp8rl_jax.models.experts.split_expert_stacks` / :func:`~fp8rl_jax.models.experts.stack_expert_tensors`.
 A model has O(layers) expert variables, and the stacked dimension is sharded over the ``expert`` mesh axis.
 
-Compute. The experts run as grouped matmuls with :func:`jax.lax.ragged_dot` on the ``T * k`` (token, expert) pairs
-sorted by expert, reading the stacks directly (``[E, K, N]`` views, no per-forward stacking): the work is ``T * k``
-rows, not ``T * E``, no token is ever dropped (no capacity factor), and it is differentiable. With FP8 experts the
-W8A8 blockwise numerics are those of :func:`fp8rl_jax.fp8.w8a8_block_matmul`'s dequantize path: activations are
-quantized per token in 1x128 groups (vLLM ``QuantFP8`` native rounding), weights are the dequantized e4m3 blocks,
-products accumulate in float32; on a CUDA GPU the grouped Pallas kernel
-(:func:`fp8rl_jax.fp8.pallas_grouped.grouped_w8a8_matmul`) reads the e4m3 stacks as they are (gate and up as one
-``[E, 2I, hidden]`` operand when ``I`` is a multiple of 128: a concatenation of the two stacks per call). The
-router always stays dense in ``param_dtype`` (bf16 in rollout), as verl's FP8 rollout keeps ``mlp.gate`` in its
-ignored layers. When a training-precision ``dot_general`` is set on the expert projections (FP8 training,
-:mod:`fp8rl_jax.trainer.precision`), each expert's slice runs on all tokens weighted by its routing weight instead
-(E/k times the FLOPs).
+Compute. The experts run as grouped matmuls on the ``T * k`` (token, expert) pairs sorted by expert, reading the
+stacks directly (no per-forward stacking): the work is ``T * k`` rows, not ``T * E``, no token is ever dropped (no
+capacity factor), and it is differentiable. Two lowerings (``SparseMoeBlock.grouped_impl``):
+
+* ``"tiled"`` (:mod:`fp8rl_jax.models.grouped`): the pairs in fixed-size tiles of one expert each, one batched
+  ``dot_general`` over the tiles with each tile's expert weight gathered; memory linear in the routed rows. XLA
+  lowers ``ragged_dot`` densely (every row against all E experts: XLA:CPU always, XLA:GPU by default), which made
+  the Qwen3-30B-A3B train step's temporaries 322-572 GiB per device; tiled they fit (docs/REPRODUCTION.md).
+* ``"ragged_dot"``: :func:`jax.lax.ragged_dot` on ``[E, K, N]`` views of the stacks.
+
+``"auto"`` (default) picks whichever touches fewer elements (:func:`fp8rl_jax.models.grouped.prefer_tiled`):
+tiles for training and prefill. With FP8 experts the W8A8 blockwise numerics are those of
+:func:`fp8rl_jax.fp8.w8a8_block_matmul`'s dequantize path: activations are quantized per token in 1x128 groups
+(vLLM ``QuantFP8`` native rounding), weights are the dequantized e4m3 blocks, products accumulate in float32; on a
+CUDA GPU the grouped Pallas kernel (:func:`fp8rl_jax.fp8.pallas_grouped.grouped_w8a8_matmul`) reads the e4m3
+stacks as they are (gate and up as one ``[E, 2I, hidden]`` operand when ``I`` is a multiple of 128: a
+concatenation of the two stacks per call). The router always stays dense in ``param_dtype`` (bf16 in rollout), as
+verl's FP8 rollout keeps ``mlp.gate`` in its ignored layers. When a training-precision ``dot_general`` is set on
+the expert projections (FP8 training, :mod:`fp8rl_jax.trainer.precision`), the experts always run tiled with that
+product on the ``[G, m, K] x [G, N, K]`` tiles (each routed row once; each tile's weight quantized in its own
+128x128 blocks, which equal the expert's).
 
 Rollout routing replay (R3, arXiv 2510.11370, Sec. 3). :meth:`SparseMoeBlock.forward` returns the router's own
 top-k expert ids (what the rollout engine records) and takes optional recorded ids ``replay_ids`` (``-1`` = no
@@ -51,9 +60,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from fp8rl_jax.fp8 import fake_quantize_activation
+from fp8rl_jax.fp8 import dequantize_weight_blockwise, fake_quantize_activation
 from fp8rl_jax.models.config import ModelConfig
 from fp8rl_jax.models.experts import StackedExperts
+from fp8rl_jax.models.grouped import choose_tile_rows, prefer_tiled, tile_layout, tiled_dot
 from fp8rl_jax.models.layers import Linear
 
 
@@ -205,6 +215,73 @@ class SparseMoeBlock(nnx.Module):
         h = jax.nn.silu(g.astype(self.dtype)) * u.astype(self.dtype)
         return grouped_w8a8_matmul(h, group_sizes, qd, sd, block_size=bs, out_dtype=self.dtype)
 
+    #: Experts off the FP8 kernel: ``"auto"`` (tiles when :func:`~fp8rl_jax.models.grouped.prefer_tiled` says
+    #: they touch fewer elements than ``ragged_dot``'s dense expansion: training and prefill), ``"tiled"`` or
+    #: ``"ragged_dot"``. A training-precision ``dot_general`` (FP8 training) always runs tiled.
+    grouped_impl: str = "auto"
+    #: Tile edge of the tiled path (rows per tile); None: :func:`~fp8rl_jax.models.grouped.choose_tile_rows`.
+    tile_rows: int | None = None
+
+    def _tile_rows(self, rows: int) -> int:
+        ex = self.experts
+        inter, hidden = ex.gate_proj.weight.shape[1], ex.gate_proj.weight.shape[2]
+        return self.tile_rows or choose_tile_rows(rows, self.num_experts, inter, hidden)
+
+    def _grouped_impl(self, rows: int) -> str:
+        impl = self.grouped_impl
+        if impl not in ("auto", "tiled", "ragged_dot"):
+            raise ValueError(f"grouped_impl must be 'auto', 'tiled' or 'ragged_dot', got {impl!r}")
+        if impl != "auto":
+            return impl
+        ex = self.experts
+        inter, hidden = ex.gate_proj.weight.shape[1], ex.gate_proj.weight.shape[2]
+        tiled = prefer_tiled(rows, self.num_experts, self._tile_rows(rows), inter, hidden)
+        return "tiled" if tiled else "ragged_dot"
+
+    def _tile_proj(self, lin, x_tiles: jax.Array, tile_group: jax.Array, acc) -> jax.Array:
+        """One expert projection on tiles: ``x_tiles [G, m, K]`` -> ``[G, m, N]`` with each tile's expert weight.
+
+        FP8 weights: the tiles' e4m3 blocks and scales gathered, dequantized in float32 (the numerics of the
+        ``ragged_dot`` path); a ``dot_general`` set (FP8 training): it runs on the ``[G, N, K]`` tiles of the
+        weight cast to ``dtype`` (gathered from the master stack, so the per-tile weight gradients are summed
+        per expert in the master dtype); else ``jax.lax.dot_general`` in ``dtype`` accumulating in ``acc``.
+        """
+        if lin.precision == "fp8":
+            w = dequantize_weight_blockwise(lin.weight[...][tile_group], lin.weight_scale_inv[...][tile_group],
+                                            lin.block_size, out_dtype=jnp.float32)
+            return tiled_dot(x_tiles, w.astype(x_tiles.dtype), preferred_element_type=acc)
+        w = lin.weight[...][tile_group].astype(self.dtype)
+        if lin.dot_general is not None:
+            return tiled_dot(x_tiles.astype(self.dtype), w, dot_general=lin.dot_general)
+        return tiled_dot(x_tiles.astype(self.dtype), w, preferred_element_type=acc)
+
+    def _tiled_experts(self, xt: jax.Array, weights: jax.Array, order: jax.Array,
+                       group_sizes: jax.Array) -> jax.Array:
+        """The experts on the ``T * k`` expert-sorted pairs in tiles (:mod:`fp8rl_jax.models.grouped`).
+
+        ``xt [T, hidden]``, ``weights [T, k]`` (dtype), ``order [T*k]`` (pair indices sorted by expert),
+        ``group_sizes [E]`` -> ``[T, hidden]`` in ``dtype``. Each slot gathers its token's row directly (no sorted
+        copy of the rows); padding slots are zero rows whose outputs are discarded.
+        """
+        ex = self.experts
+        t, hidden = xt.shape
+        rows = t * self.top_k
+        m = self._tile_rows(rows)
+        lay = tile_layout(group_sizes, rows, m)
+        pair = order[lay.slot_row]                              # [G*m] (token, slot) pair of each tile slot
+        token = pair // self.top_k
+        keep = lay.valid[:, None]
+        xs = self._act_in(jnp.where(keep, xt[token], jnp.zeros((), xt.dtype)))
+        acc = jnp.float32 if self.precision == "fp8" else self.dtype
+        g = self._tile_proj(ex.gate_proj, xs.reshape(-1, m, hidden), lay.tile_group, acc)
+        u = self._tile_proj(ex.up_proj, xs.reshape(-1, m, hidden), lay.tile_group, acc)
+        h = jax.nn.silu(g.astype(self.dtype)) * u.astype(self.dtype)
+        hs = self._act_in(h.reshape(-1, h.shape[-1]))
+        y = self._tile_proj(ex.down_proj, hs.reshape(h.shape), lay.tile_group, acc).astype(self.dtype)
+        y = y.reshape(-1, hidden) * weights.reshape(-1)[pair][:, None]
+        y = jnp.where(keep, y, jnp.zeros((), self.dtype))
+        return jnp.zeros((t, hidden), self.dtype).at[token].add(y)
+
     def router(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """``x [T, hidden]`` -> ``(router_logits [T, E] dtype, weights [T, k] float32, expert_ids [T, k] int32)``.
 
@@ -255,22 +332,19 @@ class SparseMoeBlock(nnx.Module):
         router_ids = router_ids.reshape(shape[:-1] + (self.top_k,))
         weights = weights.astype(self.dtype)  # HF casts the top-k weights back to the logits dtype
         ex = self.experts
-        if ex.gate_proj.dot_general is not None:
-            # A training-precision product (e.g. FP8 training's custom VJP) is set on the expert projections:
-            # honour it by running each expert's slice on all tokens, weighted by its (mostly zero) routing
-            # weight. E/k times the FLOPs of the grouped path; exact same routing semantics.
-            dense_w = jnp.zeros((t, self.num_experts), self.dtype).at[jnp.arange(t)[:, None], ids].set(weights)
-            out = sum(dense_w[:, j, None] * ex.expert(j, xt) for j in range(self.num_experts))
-            return out.astype(self.dtype).reshape(shape), router_ids
         flat = ids.reshape(-1)                                  # [T*k] expert of each (token, slot)
         order = jnp.argsort(flat, stable=True)                  # group pairs by expert
-        token = order // self.top_k                             # token of each sorted pair
         group_sizes = jnp.bincount(flat, length=self.num_experts).astype(jnp.int32)
-        if self._fp8_kernel():
+        if self._fp8_kernel() and ex.gate_proj.dot_general is None:
+            token = order // self.top_k                         # token of each sorted pair
             y = self._fp8_grouped_experts(xt[token], group_sizes)
             y = y * weights.reshape(-1)[order][:, None]
             out = jnp.zeros((t, shape[-1]), self.dtype).at[token].add(y)
             return out.reshape(shape), router_ids
+        if ex.gate_proj.dot_general is not None or self._grouped_impl(t * self.top_k) == "tiled":
+            out = self._tiled_experts(xt, weights, order, group_sizes)
+            return out.reshape(shape), router_ids
+        token = order // self.top_k
         acc = jnp.float32 if self.precision == "fp8" else self.dtype
         wg, wu, wd = (p.stacked_kn(self.dtype) for p in (ex.gate_proj, ex.up_proj, ex.down_proj))
         xs = self._act_in(xt[token])

@@ -24,8 +24,9 @@ MoE experts: the model stacks each layer's experts (``mlp.experts.gate_proj.weig
 ``E/4`` experts), and each expert's inner dimensions are sharded like a dense MLP's (``expert_mlp -> tensor``,
 ``embed -> fsdp``; ``embed`` does not get ``expert`` again, a mesh axis is used once per array). The per-expert HF
 names (``mlp.experts.{j}.gate_proj.weight``, what checkpoints, exports and vLLM use) match the same rules without
-the leading axis. Tokens are not dispatched all-to-all: the grouped matmul (``jax.lax.ragged_dot``) is partitioned
-by XLA's sharding propagation.
+the leading axis. Tokens are not dispatched all-to-all: the grouped matmul (tiled, :mod:`fp8rl_jax.models.grouped`,
+or ``jax.lax.ragged_dot``) is partitioned by XLA's sharding propagation (the per-tile weight gather from an
+``expert``-sharded stack included).
 
 Float8 linears (``weight`` e4m3 + ``weight_scale_inv`` ``[ceil(N/128), ceil(K/128)]``) get the weight's logical
 axes on both (the scale grid is then usually replicated by the divisibility rule).
