@@ -43,7 +43,8 @@ run() {  # run NAME CMD...: log to $LOG/NAME.log, remember a failure
   return 0
 }
 if [[ $stages == *" tests "* ]]; then
-  run gpu_tests "$PY" -m pytest -q -ra -p no:cacheprovider -m gpu tests/test_fp8_gpu.py tests/test_fused_projections.py
+  run gpu_tests "$PY" -m pytest -q -ra -p no:cacheprovider -m gpu tests/test_fp8_gpu.py tests/test_fused_projections.py \
+    tests/test_attention.py
   # a GPU test may skip only where no CUDA device exists, and this machine has one: any skip is a failure
   if grep -qE "[0-9]+ skipped|SKIPPED" "$LOG/gpu_tests.log"; then echo "run_gpu.sh: GPU tests were skipped"; status=1; fi
   grep -qE "[0-9]+ passed" "$LOG/gpu_tests.log" || { echo "run_gpu.sh: no GPU test ran"; status=1; }

@@ -192,3 +192,80 @@ def test_fully_masked_row_is_uniform_average():
     vbar = np.repeat(v[0].mean(0), g, axis=0).reshape(-1)  # every head's uniform average over all S slots
     ref = vbar @ p["o_proj.weight"].T
     np.testing.assert_allclose(np.asarray(out[0, 0], np.float64), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_attention_implementation_choice_and_named_errors(monkeypatch):
+    """``"auto"`` picks cuDNN flash attention exactly where cuDNN can run the call (cache-less, bf16/fp16, head dim a
+    multiple of 8 within the limit, even lengths, a CUDA GPU with cuDNN) and XLA elsewhere; bad settings and an
+    impossible ``"cudnn"`` are refused by name. The GPU itself: test_cudnn_attention_on_gpu_matches_float64."""
+    from fp8rl_jax.models import attention_impl as ai
+
+    if not ai.cudnn_attention_available():  # this machine: XLA everywhere, "cudnn" refused with the reason
+        assert ai.resolve_attention_implementation("auto", jnp.bfloat16, 128, 512, 512, False) is None
+        with pytest.raises(ValueError, match="no CUDA GPU with cuDNN"):
+            ai.resolve_attention_implementation("cudnn", jnp.bfloat16, 128, 512, 512, False)
+    monkeypatch.setattr(ai, "cudnn_attention_available", lambda: True)
+    monkeypatch.setattr(ai, "_max_head_dim", lambda: 128)
+    pick = ai.resolve_attention_implementation
+    assert pick("auto", jnp.bfloat16, 128, 512, 512, False) == "cudnn"
+    assert pick("auto", jnp.float16, 64, 8, 8, False) == "cudnn"
+    assert pick("auto", jnp.float32, 128, 512, 512, False) is None      # cuDNN flash: bf16/fp16 only
+    assert pick("auto", jnp.bfloat16, 100, 512, 512, False) is None     # head dim not a multiple of 8
+    assert pick("auto", jnp.bfloat16, 256, 512, 512, False) is None     # over the pre-Hopper limit
+    assert pick("auto", jnp.bfloat16, 128, 511, 511, False) is None     # odd lengths with a mask
+    assert pick("auto", jnp.bfloat16, 128, 1, 512, True) is None        # KV-cache steps stay on XLA
+    assert pick("xla", jnp.bfloat16, 128, 512, 512, False) is None and pick(None, jnp.bfloat16, 128, 2, 2, False) is None
+    with pytest.raises(ValueError, match="multiple of 8"):
+        pick("cudnn", jnp.bfloat16, 100, 512, 512, False)
+    with pytest.raises(ValueError, match="attention_implementation must be one of"):
+        pick("flash", jnp.bfloat16, 128, 512, 512, False)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("fp8rl_jax.models.attention_impl", fromlist=["x"]).cudnn_attention_available(),
+                    reason="needs a CUDA GPU with cuDNN (none on this machine)")
+def test_cudnn_attention_on_gpu_matches_float64():
+    """On the GPU the cache-less bf16 forward runs cuDNN's fused attention (its custom call is in the compiled
+    program) and equals the float64 formula with left padding; its gradients equal XLA attention's."""
+    cfg = ModelConfig(model_type="qwen3", vocab_size=64, hidden_size=256, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=64, rope_theta=10000.0, qk_norm=True)
+    dtype = jnp.bfloat16
+    m = _attn(cfg, dtype)
+    b, s = 3, 64
+    x, mask = _inputs(cfg, b, s, pads=(0, 5, 30), dtype=dtype)
+    pos = np.asarray(positions_from_mask(jnp.asarray(mask)))
+    q_slots = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+    args = (jnp.asarray(pos), rope_inv_freq(cfg), jnp.asarray(mask), q_slots)
+
+    def run(impl):
+        m.attention_implementation = impl
+        f = jax.jit(lambda x: m(x, *args)[0])
+        hlo = f.lower(x).compile().as_text()
+        g = jax.jit(jax.grad(lambda x: jnp.sum(m(x, *args)[0].astype(jnp.float32) ** 2)))(x)
+        return f(x), hlo, g
+
+    out, hlo, g_cudnn = run("auto")
+    assert "cudnn" in hlo.lower() and "fmha" in hlo.lower(), "the auto path did not run cuDNN attention"
+    p = _p(m)
+    q, k, v = _qkv_ref(p, cfg, np.asarray(x.astype(jnp.float32), np.float64), pos)
+    _close(out, _attend_ref(p, cfg, q, k, v, mask, np.asarray(q_slots)), mask, dtype)
+    _, hlo_xla, g_xla = run("xla")
+    assert "fmha" not in hlo_xla.lower()
+    ga, gb = (np.asarray(a.astype(jnp.float32), np.float64)[mask] for a in (g_cudnn, g_xla))
+    assert np.linalg.norm(ga - gb) / np.linalg.norm(gb) < 3e-2
+
+
+def test_train_config_attention_implementation_reaches_every_attention_module(tmp_path):
+    """``train.attention_implementation`` is validated by name and set on the trainer model's attention modules."""
+    from fp8rl_jax.models.decoder import Attention as Attn
+    from fp8rl_jax.trainer.config import TrainConfig
+    from fp8rl_jax.trainer.loop import RLTrainer
+    from conftest import make_tiny_run_dir
+
+    with pytest.raises(ValueError, match="attention_implementation"):
+        TrainConfig(attention_implementation="flash")
+    t = RLTrainer(TrainConfig(output_dir=str(tmp_path / "run"), model=make_tiny_run_dir(tmp_path / "m"),
+                              attention_implementation="xla", num_steps=1, prompts_per_step=2, samples_per_prompt=2,
+                              max_tokens=4, progress_bar=False, checkpoint_every=0, plots=False))
+    mods = [mod for _, mod in nnx.iter_graph(t.model) if isinstance(mod, Attn)]
+    assert mods and all(mod.attention_implementation == "xla" for mod in mods)

@@ -37,6 +37,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from fp8rl_jax.fp8.kv_cache import dequantize_kv, is_fp8_cache, quantize_kv
 from fp8rl_jax.fp8.pallas_attention import decode_kernel_choice, fp8_kv_decode_attention
+from fp8rl_jax.models.attention_impl import resolve_attention_implementation
 from fp8rl_jax.models.config import ModelConfig
 from fp8rl_jax.models.experts import expert_names, is_expert_stack_name, stack_expert_tensors
 from fp8rl_jax.models.layers import LINEAR_PRECISIONS, MLP, Linear, RMSNorm  # noqa: F401 (re-exported)
@@ -155,9 +156,9 @@ class Attention(nnx.Module):
         # (after QK-norm and RoPE) for FP8 KV-scale calibration; read it with ``nnx.capture`` and
         # :func:`qkv_absmax_from_intermediates`.
         self.capture_qkv_absmax = False
-        # ``implementation`` of :func:`jax.nn.dot_product_attention` (``None``: JAX's choice, XLA today;
-        # ``"cudnn"``: cuDNN flash attention on an NVIDIA GPU, which supports a subset of shapes/dtypes).
-        self.attention_implementation = None
+        # :mod:`fp8rl_jax.models.attention_impl`: ``"auto"`` (cuDNN flash attention for cache-less forwards on a
+        # CUDA GPU where cuDNN supports the call, XLA's attention otherwise), ``"xla"`` / None or ``"cudnn"``.
+        self.attention_implementation = "auto"
 
     def __call__(self, x, positions, inv_freq, kv_mask, q_slots, cache_kv=None, cache_index=None):
         """:meth:`forward`, sowing the q/k/v maxima (``nnx.Intermediate`` ``qkv_absmax``) when capture is on.
@@ -183,14 +184,15 @@ class Attention(nnx.Module):
 
         Key slot ``t`` is visible to query ``i`` iff ``kv_mask[b, t] and t <= q_slots[b, i]`` (left padding and
         causality with a cache offset). Without FP8 attention the product runs through
-        :func:`jax.nn.dot_product_attention` (GQA natively, ``implementation=self.attention_implementation``):
-        XLA's implementation (the default, on CPU and GPU in JAX 0.10) computes ``QK^T`` with float32
+        :func:`jax.nn.dot_product_attention` (GQA natively; ``implementation`` from ``attention_implementation``
+        through :func:`fp8rl_jax.models.attention_impl.resolve_attention_implementation`: cuDNN flash attention for
+        cache-less forwards on a CUDA GPU, XLA elsewhere). XLA's implementation computes ``QK^T`` with float32
         accumulation, scales by ``1/sqrt(head_dim)`` (a multiply, where the einsum path divided by
         ``sqrt(head_dim)``: at most 1 ulp apart in float32, identical for power-of-4 head dims), masks with
         ``-0.7 * float32_max``, runs the softmax in float32, casts the probabilities to ``dtype`` and multiplies by
         ``V`` in ``dtype``: the numerics of the einsum path it replaced. It still materialises the
-        ``[B, H, S, T]`` scores (no memory saving on CPU); ``"cudnn"`` would run flash attention on GPU. A query
-        row with no visible key (a padding row) gets a uniform average over all slots, as before; its output is
+        ``[B, H, S, T]`` scores; cuDNN's does not (the mask reaches it as a ``[B, 1, S, T]`` bias). A query row with
+        no visible key (a padding row) gets a uniform average over all slots, as before; its output is
         meaningless and masked downstream. The FP8-attention path (``q_scale``) keeps an explicit einsum because
         ``QK^T`` runs on e4m3 values rescaled by ``q_scale * k_scale`` before the softmax; so does ``float16``
         compute with the default implementation (XLA:CPU rejects the ``F16_F16_F32`` dot algorithm JAX's XLA
@@ -244,10 +246,12 @@ class Attention(nnx.Module):
         allowed = kv_mask[:, None, :] & (jnp.arange(t)[None, None, :] <= q_slots[:, :, None])  # [B, S, T]
         # float16 stays on the einsum: JAX's XLA attention requests the F16_F16_F32 dot algorithm, which XLA:CPU
         # rejects at compile time ("not supported by dot_general on CPU"); the numerics are the same.
-        fp16_xla = q.dtype == jnp.float16 and self.attention_implementation is None
+        impl = resolve_attention_implementation(self.attention_implementation, q.dtype, self.head_dim, s, t,
+                                                cache_kv is not None)
+        fp16_xla = q.dtype == jnp.float16 and impl is None
         if qk_scale is None and not fp16_xla:
             out = jax.nn.dot_product_attention(q, k.astype(q.dtype), v.astype(q.dtype), mask=allowed[:, None],
-                                               implementation=self.attention_implementation)
+                                               implementation=impl)
             out = out.reshape(b, s, self.num_heads * self.head_dim)
         else:  # FP8 attention: QK^T on e4m3 values (held in float32), rescaled by q_scale * k_scale; or float16
             g = self.num_heads // self.num_kv_heads

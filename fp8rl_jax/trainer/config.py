@@ -128,6 +128,9 @@ class TrainConfig:
         memory and compute, never results.
       scan_layers: run identical decoder layers as one ``lax.scan`` in the training forward (one compiled layer;
         maxtext ``scan_layers``); with a remat policy this is what bounds activation memory to one layer's.
+      attention_implementation: the training forward's attention (:mod:`fp8rl_jax.models.attention_impl`):
+        ``"auto"`` (cuDNN flash attention on a CUDA GPU where cuDNN supports the call, else XLA's, which
+        materialises the ``[B, H, S, T]`` scores), ``"xla"`` or ``"cudnn"`` (an error where it cannot run).
       logprobs_chunk_size: positions per chunk of the logprob/entropy computation (never a ``[B, T, vocab]``
         float32 array; :func:`fp8rl_jax.trainer.logprobs.token_logprobs`); None = all at once.
       offload_optimizer: move the optimizer state to host memory (``pinned_host``) during each rollout and back
@@ -202,6 +205,7 @@ class TrainConfig:
     micro_batch_size: int | None = None
     remat_policy: str = "none"
     scan_layers: bool = False
+    attention_implementation: str = "auto"
     logprobs_chunk_size: int | None = 2048
     offload_optimizer: bool = False
 
@@ -258,6 +262,9 @@ class TrainConfig:
         from fp8rl_jax.models.remat import REMAT_POLICIES
 
         choice("remat_policy", tuple(REMAT_POLICIES))
+        from fp8rl_jax.models.attention_impl import ATTENTION_IMPLS
+
+        choice("attention_implementation", ATTENTION_IMPLS)
         minibatch = self.prompts_per_step * self.samples_per_prompt // self.num_minibatches
         if self.micro_batch_size is not None and minibatch % self.micro_batch_size:
             raise ValueError(f"train.micro_batch_size={self.micro_batch_size} does not divide the minibatch of "

@@ -113,6 +113,9 @@ class RLTrainer:
                 print(f"mesh {format_mesh_shape(mesh_shape_of(self.mesh))}: replicated where not divisible:\n"
                       f"{self.sharding_plan.summary()}", flush=True)
         del params
+        for _, mod in nnx.iter_graph(self.model):
+            if hasattr(mod, "attention_implementation"):
+                mod.attention_implementation = config.attention_implementation
         apply_train_precision(self.model, config.train_precision, fp8_grad=config.fp8_train_grad)
         self.optimizer = nnx.Optimizer(self.model, wrap_optimizer(make_optimizer(config), config.train_precision),
                                        wrt=nnx.Param)
