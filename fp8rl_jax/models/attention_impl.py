@@ -3,7 +3,7 @@
 Issue 19 asks for "attention through ``jax.nn.dot_product_attention`` (cuDNN flash on GPU, XLA on CPU)". JAX's
 ``implementation=None`` is XLA's attention on every backend (JAX 0.10: "defaults to XLA for now"), which
 materialises the ``[B, H, S, T]`` scores: at the paper configs' 20480-token responses that is ~56 GB per sequence and
-layer, more than an H100 holds. ``"auto"`` (the default) therefore asks for cuDNN's fused flash attention when it
+layer for Qwen3-8B (32 heads x 20992^2 x 4 bytes, by arithmetic), more than an H100 holds. ``"auto"`` (the default) therefore asks for cuDNN's fused flash attention when it
 can run: a CUDA backend with cuDNN, bf16/fp16 queries, a head dim that is a multiple of 8 and at most 128 (256 on
 Hopper and later; cuDNN's limit as JAX checks it), even query and key lengths (cuDNN's rule for a bias in training;
 the boolean mask reaches cuDNN as a ``[B, 1, S, T]`` bias), and no KV cache (decode steps have one query row; their
