@@ -5,7 +5,7 @@
 # optax, ml_dtypes, pytest (and torch for the weight-sync benchmark); no package registry, no model asset needed:
 #   bash benchmarks/run_gpu.sh                          # all stages
 #   bash benchmarks/run_gpu.sh tests quant              # some of: tests quant matmul rollout rollout_moe
-#                                                       #   kv_attention profile sync
+#                                                       #   kv_attention profile sync moe
 # Stages:
 #   tests   the GPU tests (pytest -m gpu: Pallas kernels vs the float64-numpy/ml_dtypes reference bit for bit, the
 #           FP8 GEMM vs float64 at M = 1, 3, 64, 300, 4096) run ON THE GPU, then the FP8 unit and CUDA-lowering
@@ -21,6 +21,8 @@
 #           (kv_attention=auto) and over the whole dequantized cache (materialize); issue 21's ">= 1.3x at 4k contexts"
 #   profile jax.profiler traces of 8B decode (bf16, fp8, fp8 + e4m3 KV): kernels per token, top kernels
 #   sync    bench_weight_sync.py (export + DLPack + copy into preallocated torch tensors)
+#   moe     bench_moe_grouped.py --full: one 30B-A3B MoE block's forward + backward, tiled vs ragged_dot experts
+#           (XLA:GPU's ragged_dot rewrite: compiled temporaries and time)
 # Results: benchmarks/results/*_gpu_<device>.{json,md}; logs and copies in $OUT (the device tool's folder) or
 # runs/gpu. Exit status: non-zero if a test stage failed or a GPU test was skipped, or a benchmark failed.
 set -o pipefail
@@ -33,7 +35,7 @@ mkdir -p "$LOG"
   2>&1 | tee "$LOG/env.txt" || exit 1
 "$PY" -c "import jax, sys; sys.exit(0 if any(d.platform == 'gpu' for d in jax.devices()) else 1)" \
   || { echo "run_gpu.sh: JAX sees no GPU (check JAX_PLATFORMS and the CUDA plugin)" | tee -a "$LOG/env.txt"; exit 1; }
-stages=" ${*:-tests quant matmul rollout rollout_moe kv_attention profile sync} "
+stages=" ${*:-tests quant matmul rollout rollout_moe kv_attention profile sync moe} "
 status=0
 run() {  # run NAME CMD...: log to $LOG/NAME.log, remember a failure
   local name=$1; shift
@@ -74,5 +76,6 @@ fi
   --engines embedded --precisions bf16,fp8,fp8_kv --batches 1 --prompt_len 32 --max_tokens 32 --repeats 1 \
   --profile "$LOG/profile" --out benchmarks/results/rollout_profile_gpu
 [[ $stages == *" sync "* ]] && run bench_weight_sync "$PY" benchmarks/bench_weight_sync.py --sizes 0.6b,8b
+[[ $stages == *" moe "* ]] && run bench_moe_grouped "$PY" benchmarks/bench_moe_grouped.py --full --tokens 256,1024
 cp benchmarks/results/*_gpu* "$LOG"/ 2>/dev/null
 exit $status
