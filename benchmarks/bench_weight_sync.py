@@ -15,9 +15,12 @@ random weights) the script holds float32 master params in an NNX model, as the t
 * ``inprocess``: :class:`~rollout_bridge.transports.InProcessTransport` to a
   :class:`rollout_bridge.torch_receiver.TorchParamsReceiver` in this process, which copies every tensor into its
   own preallocated torch parameters (one byte copy per tensor: ``memcpy`` on CPU, a device copy on GPU);
-* ``shm``: :class:`~rollout_bridge.transports.SharedMemoryTransport` (flattened buckets in POSIX shared memory,
-  streamed: the receiver copies bucket k while the sender fills k+1; CUDA IPC on GPU) to a ``TorchParamsReceiver``
-  in another process;
+* ``shm``: :class:`~rollout_bridge.transports.SharedMemoryTransport` with its defaults (CPU: streamed through a
+  ring of 512 KiB slots in shared memory, :class:`~rollout_bridge.transports.ShmRingStream`, which the receiver
+  empties right behind the sender, so the bytes pass between the two copies in the caches; CUDA IPC on GPU) to a
+  ``TorchParamsReceiver`` in another process; on CPU also ``shm_buckets`` (``ring=False``: streamed 64 MiB
+  payload-sized buckets, the receiver copies bucket k while the sender fills k+1, what receivers that keep views,
+  like vLLM's, get) and ``shm_unstreamed`` (``stream=False``: fill everything, then load);
 * ``dist``: :class:`~rollout_bridge.transports.TorchDistributedTransport` (gloo broadcast on CPU, NCCL on GPU)
   to the same kind of receiver process (``dist_streamed``: one bucket at a time above 2 GiB);
 * ``floor``: one plain copy of ``payload`` bytes between two preallocated, already-touched buffers (GPU: one
@@ -31,9 +34,14 @@ random weights) the script holds float32 master params in an NNX model, as the t
 * ``vllm`` (with ``--vllm``, 135m only on CPU): ``VllmRolloutEngine.update_weights`` into a real in-process vLLM.
 
 Ratios: ``inprocess_x_floor = (handover + inprocess) / floor`` and ``shm_x_floor = (handover + shm) / floor``
-(the sync once the export exists; issue 18's goals on CPU: <= 1.2 and <= 2); ``export_x_floor = export / floor``
-(the FP8 quantization reads the float32 masters, 3-4x the payload's bytes, and computes, so it is not
-bounded by this floor on CPU). Each value is the median of ``--repeats`` after one warm-up.
+(the sync once the export exists; issue 18's goals on CPU: <= 1.2 and <= 2; likewise ``shm_buckets_x_floor``,
+``shm_unstreamed_x_floor``); ``export_x_floor = export / floor`` (the FP8 quantization reads the float32 masters,
+3-4x the payload's bytes, and computes, so it is not bounded by this floor on CPU). Each value is the median of
+``--repeats`` after one warm-up. On CPU the floors and the shm variants are measured in ``--rounds`` interleaved
+rounds (floor, threaded floor, shm, shm buckets, shm unstreamed, again and again) and each is the median over the
+rounds, so a load that comes and goes hits them alike; ``other_load_cores`` is the CPU time other processes on the
+host used during those rounds, in cores (``/proc/stat`` busy time minus this process's and the receiver's): 0 on a
+quiet machine, up to the core count when something else competes.
 
 Platform: whatever is present. With a CUDA GPU visible to both JAX and torch every array lives on
 ``jax.devices("gpu")[0]`` and the copies are device copies (synchronized before the clock stops); otherwise CPU
@@ -161,7 +169,48 @@ def time_it(fn, repeats: int, sync=None) -> float:
     return median_seconds(once, repeats)
 
 
-def bench_size(size: str, repeats: int, with_vllm: bool, device: str, compare_old: str, skip: set) -> dict:
+def _shm_fits(nbytes: int) -> bool:
+    """Whether the CPU shm rounds fit next to the sender's arrays: two floor buffers, the segments of the two
+    payload-sized variants and the receiver's copy, ~5 payloads."""
+    avail = _mem_available_bytes()
+    return avail is None or 5 * nbytes < 0.9 * avail
+
+
+def _cpu_seconds(pid: int | str = "self") -> float:
+    """utime + stime of a process (all its threads), seconds."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _busy_seconds() -> float:
+    """CPU seconds all processes of the host spent busy (``/proc/stat``, every core)."""
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:]]
+    return (sum(v[:8]) - v[3] - v[4]) / os.sysconf("SC_CLK_TCK")
+
+
+def _interleaved(timers: dict, n_rounds: int, receiver_pid: int | None = None) -> dict:
+    """Run every timer of ``timers`` once per round, ``n_rounds`` rounds; each key's median over the rounds, its
+    per-round values (``<key>_rounds``) and ``other_load_cores``: CPU time other processes took meanwhile, in cores."""
+    import statistics
+    import time
+
+    got = {k: [] for k in timers}
+    own0 = _cpu_seconds() + (_cpu_seconds(receiver_pid) if receiver_pid else 0.0)
+    busy0, t0 = _busy_seconds(), time.monotonic()
+    for _ in range(max(1, n_rounds)):
+        for k, timer in timers.items():
+            got[k].append(timer())
+    own = _cpu_seconds() + (_cpu_seconds(receiver_pid) if receiver_pid else 0.0) - own0
+    out = {k: statistics.median(v) for k, v in got.items()}
+    out.update({k.removesuffix("_s") + "_rounds_s": v for k, v in got.items()})
+    out["other_load_cores"] = max(0.0, _busy_seconds() - busy0 - own) / (time.monotonic() - t0)
+    return out
+
+
+def bench_size(size: str, repeats: int, with_vllm: bool, device: str, compare_old: str, skip: set,
+               n_rounds: int = 1) -> dict:
     import torch
 
     from fp8rl_jax.export import ModelParamsReader
@@ -209,18 +258,19 @@ def bench_size(size: str, repeats: int, with_vllm: bool, device: str, compare_ol
         b = torch.empty_like(a)
         b.copy_(a)
         row["floor_s"] = time_it(lambda: b.copy_(a), repeats, sync)
-    else:
+        del a, b
+    else:  # timed below, interleaved with the shm variants
         a = np.ones(nbytes, np.uint8)
         b = np.zeros_like(a)
-        row["floor_1thread_s"] = time_it(lambda: np.copyto(b, a), repeats)
         ta, tb = torch.from_numpy(a), torch.from_numpy(b)
-        row["floor_threads_s"] = time_it(lambda: copy_many([(tb, ta)]), repeats)
-        row["floor_s"] = row["floor_1thread_s"]
-        del ta, tb
-    del a, b
+        rounds = {"floor_1thread_s": lambda: time_it(lambda: np.copyto(b, a), repeats),
+                  "floor_threads_s": lambda: time_it(lambda: copy_many([(tb, ta)]), repeats)}
     dst = {k: torch.empty_like(v) for k, v in tensors.items()}
     row["tensor_copy_s"] = time_it(lambda: [dst[k].copy_(v) for k, v in tensors.items()], repeats, sync)
     del dst
+    if not cuda and ("shm" in skip or not _shm_fits(nbytes)):  # no shm rounds: the floors alone
+        row.update(_interleaved(rounds, n_rounds))
+        del a, b, ta, tb
     local = [_Local(TorchParamsReceiver())]
     inproc = InProcessTransport()
     row["inprocess_s"] = time_it(lambda: inproc.send(tensors, {}, 1, local), repeats, sync)
@@ -232,19 +282,28 @@ def bench_size(size: str, repeats: int, with_vllm: bool, device: str, compare_ol
         need, avail = 2 * nbytes, _mem_available_bytes()
         if "shm" in skip:
             pass
-        elif cuda or avail is None or need < 0.9 * avail:
+        elif cuda:
             shm = SharedMemoryTransport()
             try:
                 row["shm_s"] = time_it(lambda: shm.send(tensors, {}, 1, [proc], 600), repeats)
-                row["shm_buckets"] = shm.last_buckets
+                row["shm_mode"], row["shm_nbuckets"] = shm.last_mode, shm.last_buckets
             finally:
                 shm.close()
-            if not cuda:  # the same without streaming (fill everything, then load): what the overlap buys
-                shm = SharedMemoryTransport(stream=False)
-                try:
-                    row["shm_unstreamed_s"] = time_it(lambda: shm.send(tensors, {}, 1, [proc], 600), repeats)
-                finally:
+        elif _shm_fits(nbytes):
+            # default (ring, negotiated with the TorchParamsReceiver), payload-sized streamed buckets (ring=False:
+            # what a receiver that keeps views gets), unstreamed (fill everything, then load)
+            shms = {"shm_s": SharedMemoryTransport(), "shm_buckets_s": SharedMemoryTransport(ring=False),
+                    "shm_unstreamed_s": SharedMemoryTransport(stream=False)}
+            try:
+                for key, shm in shms.items():
+                    rounds[key] = (lambda shm=shm: time_it(lambda: shm.send(tensors, {}, 1, [proc], 600), repeats))
+                row.update(_interleaved(rounds, n_rounds, proc.proc.pid))
+                row["shm_mode"], row["shm_nbuckets"] = shms["shm_s"].last_mode, shms["shm_s"].last_buckets
+                row["shm_buckets_mode"] = shms["shm_buckets_s"].last_mode
+            finally:
+                for shm in shms.values():
                     shm.close()
+                del a, b, ta, tb
         else:
             row["shm_skipped"] = (f"needs {need / 2**30:.1f} GiB more host memory (segments + receiver copy), "
                                   f"{avail / 2**30:.1f} GiB available")
@@ -265,12 +324,15 @@ def bench_size(size: str, repeats: int, with_vllm: bool, device: str, compare_ol
         row["vllm_s"] = time_it(lambda: eng.update_weights(w), repeats)
         row["vllm_payload_MB"] = eng.last_sync.nbytes / 2**20
         eng.close()
+    if not cuda:
+        row["floor_s"] = row["floor_1thread_s"]
     f = row["floor_s"]
     row["inprocess_x_floor"] = (row["handover_s"] + row["inprocess_s"]) / f
     if "floor_threads_s" in row:
         row["inprocess_x_floor_threads"] = (row["handover_s"] + row["inprocess_s"]) / row["floor_threads_s"]
-    if "shm_s" in row:
-        row["shm_x_floor"] = (row["handover_s"] + row["shm_s"]) / f
+    for k in ("shm", "shm_buckets", "shm_unstreamed"):
+        if k + "_s" in row:
+            row[k + "_x_floor"] = (row["handover_s"] + row[k + "_s"]) / f
     if "dist_s" in row:
         row["dist_x_floor"] = (row["handover_s"] + row["dist_s"]) / f
         row["dist_GB_per_s"] = nbytes / row["dist_s"] / 1e9  # achieved broadcast bandwidth (payload / wall)
@@ -309,14 +371,18 @@ COLS = [("size", "size"), ("payload_MB", "payload MB"), ("floor_s", "floor"), ("
         ("handover_s", "DLPack handover"), ("tensor_copy_s", "per-tensor copy"), ("inprocess_s", "in-process"),
         ("inprocess_x_floor", "in-process x floor"), ("inprocess_x_floor_threads", "in-process x floor (threads)"),
         ("shm_s", "shm"), ("shm_x_floor", "shm x floor"),
-        ("shm_unstreamed_s", "shm unstreamed"),
-        ("dist_s", "dist"), ("dist_x_floor", "dist x floor"), ("dist_GB_per_s", "dist GB/s"), ("vllm_s", "vllm")]
+        ("shm_buckets_s", "shm buckets"), ("shm_buckets_x_floor", "shm buckets x floor"),
+        ("shm_unstreamed_s", "shm unstreamed"), ("shm_unstreamed_x_floor", "shm unstreamed x floor"),
+        ("dist_s", "dist"), ("dist_x_floor", "dist x floor"), ("dist_GB_per_s", "dist GB/s"), ("vllm_s", "vllm"),
+        ("other_load_cores", "other load (cores)")]
 
 
 def _table(rows) -> str:
     def fmt(r, c):
         v = r.get(c)
         if isinstance(v, float):
+            if c == "other_load_cores":
+                return f"{v:.2f}"
             return f"{v:.3g}" if "_x_floor" in c or c in ("payload_MB", "dist_GB_per_s") else f"{v * 1e3:.1f}"
         return "-" if v is None else str(v)
 
@@ -329,6 +395,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sizes", default="135m,0.6b", help="comma list of 135m, 0.6b, 8b")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=5,
+                    help="CPU: interleaved rounds of the floors and the shm variants (medians over the rounds)")
     ap.add_argument("--vllm", action="store_true", help="also time a real vLLM engine's update_weights")
     ap.add_argument("--compare-old", choices=("auto", "on", "off"), default="auto",
                     help="also time b0c9d22's exporter (auto: where its stacks fit in memory)")
@@ -346,7 +414,7 @@ def main(argv=None):
     if args._size:  # child: one size, in a fresh process, JAX arrays explicitly on the device torch uses
         with jax.default_device(jax.devices("gpu" if device == "cuda" else "cpu")[0]):
             row = bench_size(args._size, args.repeats, args.vllm and (args._size == "135m" or device == "cuda"),
-                             device, args.compare_old, skip)
+                             device, args.compare_old, skip, args.rounds)
         print("ROW " + json.dumps(row), flush=True)
         return
     rows = []
@@ -355,6 +423,7 @@ def main(argv=None):
             raise SystemExit(f"unknown size {size!r}; expected 135m, 0.6b or 8b")
         # each size in its own process: an 8B run needs its memory without the smaller sizes' leftovers
         cmd = [sys.executable, os.path.abspath(__file__), f"--_size={size}", f"--repeats={args.repeats}",
+               f"--rounds={args.rounds}",
                f"--compare-old={args.compare_old}", f"--skip={args.skip}", *(["--vllm"] if args.vllm else [])]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         found = [ln for ln in proc.stdout.splitlines() if ln.startswith("ROW ")]
@@ -383,8 +452,10 @@ def main(argv=None):
     with open(out + ".md", "w") as f:
         f.write(f"# Weight sync per step, stage by stage ({device}: {name})\n\n"
                 f"Milliseconds, median of {args.repeats} after a warm-up; `x floor` = (DLPack handover + transport) / "
-                "one plain copy of the payload's bytes measured in the same run. Stages: see the script's "
-                f"docstring.\n\n{table}\n\n`{res['command']}`\n")
+                "one plain copy of the payload's bytes measured in the same run"
+                + (f"; on CPU the floors and the shm variants are medians over {args.rounds} interleaved rounds, "
+                   "`other load (cores)` is the CPU other processes used meanwhile" if device == "cpu" else "")
+                + f". Stages: see the script's docstring.\n\n{table}\n\n`{res['command']}`\n")
     print(f"wrote {out}.json / .md")
 
 

@@ -12,6 +12,11 @@ an element-wise kernel that reaches about half of ``memcpy``'s bandwidth on one 
 Xeon of ``benchmarks/results/weight_sync_cpu.md``: ``per-tensor copy`` against ``floor``), which is what vLLM's
 weight loaders pay (they ``param.data.copy_(loaded_weight)``); a byte copy of a same-dtype, same-shape tensor
 gives the same result at the memory-bandwidth floor.
+
+Behind the streamed shared-memory transport it declares itself a ring reader (``_fp8rl_ring_reader``): the sender
+then streams through a small shared-memory ring and the receiver copies each slot into its tensors as soon as it
+is filled (:meth:`rollout_bridge.transports.ShmRingStream.copy_into`, one thread, every destination checked
+before the first byte moves), so the payload passes between the two copies in the caches.
 """
 
 from __future__ import annotations
@@ -19,6 +24,16 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from rollout_bridge.transports import WeightReceiverMixin, _as_bytes, copy_many
+
+
+class _Spec:
+    """Shape, dtype and device of a tensor announced by a ring stream (what :meth:`TorchParamsReceiver._destination`
+    checks and allocates from)."""
+
+    def __init__(self, entry):
+        import torch
+
+        self.shape, self.dtype, self.device = tuple(entry.shape), getattr(torch, entry.dtype), torch.device("cpu")
 
 
 class TorchParamsReceiver(WeightReceiverMixin):
@@ -46,6 +61,7 @@ class TorchParamsReceiver(WeightReceiverMixin):
     """
 
     _BATCH = 64  # tensors per copy_many call: several per thread, while a streamed bucket's views are alive
+    _fp8rl_ring_reader = True  # copies a shared-memory ring stream straight into its tensors (ShmRingStream)
 
     def __init__(self, params: Mapping[str, Any] | None = None, *, allocate: bool = True, device=None,
                  copy_threads: int | None = None):
@@ -76,6 +92,14 @@ class TorchParamsReceiver(WeightReceiverMixin):
     def _fp8rl_load(self, named, kv_scales, version) -> None:
         import torch
 
+        copy_into = getattr(named, "copy_into", None)
+        if copy_into is not None:  # a shared-memory ring: every destination is checked before the first byte moves
+            dsts = [_as_bytes(self._destination(e.name, _Spec(e))) for e in named.entries]
+            if all(d.device.type == "cpu" for d in dsts):
+                copy_into(dsts)  # one thread: the sender fills the ring on the other core
+                self.kv_scales = {int(k): {kk: float(vv) for kk, vv in v.items()}
+                                  for k, v in (kv_scales or {}).items()}
+                return
         on_cuda, pairs, held = False, [], []
         for name, t in named:  # a stream (shm, broadcast) yields a bucket's tensors once the bucket has landed
             dst = self._destination(name, t)

@@ -13,7 +13,9 @@ Transports (``name``):
 - ``"shm"``: cross-process on one node. Tensors are flattened into byte buckets (``bucket_bytes`` each, 64-byte
   aligned offsets); on CPU the buckets are POSIX shared memory (``multiprocessing.shared_memory``), on CUDA they
   are device buffers shared by CUDA IPC handles (``torch.multiprocessing.reductions.reduce_tensor``). Only the
-  metadata (names, dtypes, shapes, bucket, offset, nbytes) travels through the RPC.
+  metadata (names, dtypes, shapes, bucket, offset, nbytes) travels through the RPC. On CPU, receivers that copy
+  into their own memory are streamed through a small ring in shared memory instead (:class:`ShmRingStream`), so
+  the bytes pass from the sender's copy to the receiver's in the caches rather than through DRAM.
 - ``"dist"``: cross-node. A stateless ``torch.distributed`` group (``TCPStore`` + ``ProcessGroupGloo`` on CPU,
   NCCL on GPU) of the trainer (rank 0) and the receivers; buckets are broadcast from rank 0. It never touches
   the default process group, so it coexists with vLLM's own.
@@ -35,6 +37,9 @@ from typing import Any, Callable, Iterable, Protocol, Sequence
 ALIGN = 64
 DEFAULT_BUCKET_BYTES = 512 << 20
 STREAM_BUCKET_BYTES = 64 << 20  # streamed shm: small enough that fill and load overlap
+RING_SLOT_BYTES = 512 << 10  # shm ring slot: copied in by the sender, out by the receiver, while still cached
+RING_SLOTS = 32  # 16 MiB of ring: room to run ahead of a reader that is not running (a busy host)
+RING_LEAD = 2  # chunks the sender keeps ahead of readers that keep pace: 1 MiB, in the cores' L2 (1 MiB here)
 TRANSPORTS = ("inprocess", "shm", "dist")
 
 
@@ -211,6 +216,10 @@ class WeightReceiverMixin:
 
     _fp8rl_version: int = -1
     _fp8rl_group = None
+    # True for a receiver whose ``_fp8rl_load`` copies a :class:`ShmRingStream` into its own memory through
+    # ``copy_into`` (it keeps no view of the stream): the streamed shm transport then sends through a small ring
+    # instead of payload-sized segments. Any other receiver still reads a ring correctly (fresh tensors).
+    _fp8rl_ring_reader: bool = False
 
     def _fp8rl_guarded(self, named, kv_scales, version: int) -> int:
         self._fp8rl_version = -1  # inconsistent until the whole load completed
@@ -229,11 +238,19 @@ class WeightReceiverMixin:
         """In-process transport: ``named`` are the tensors themselves. Returns the loaded version."""
         return self._fp8rl_guarded(list(named), kv_scales, version)
 
+    def fp8rl_shm_ring_reader(self) -> bool:
+        """Whether this receiver copies a shared-memory ring stream straight into its own tensors (asked once per
+        receiver set by :class:`SharedMemoryTransport`)."""
+        return bool(self._fp8rl_ring_reader)
+
     def fp8rl_load_shm(self, meta: dict, kv_scales: dict, version: int) -> int:
         """Shared-memory transport (CPU): map the segments in ``meta["segments"]`` (kept mapped while the sender
-        reuses them, so pages are not faulted in again every step), load from views into them."""
+        reuses them, so pages are not faulted in again every step), load from views into them. With
+        ``meta["ring"]`` the segment is a ring of slots the sender refills (:class:`ShmRingStream`)."""
         import torch
 
+        if meta.get("ring"):
+            return self._fp8rl_load_ring(meta, kv_scales, version)
         names = tuple(meta["segments"])
         cached = getattr(self, "_fp8rl_shm", None)
         if cached is None or cached[0] != names:
@@ -254,12 +271,35 @@ class WeightReceiverMixin:
         del named, buckets
         return out
 
+    def _fp8rl_load_ring(self, meta: dict, kv_scales: dict, version: int) -> int:
+        names = (meta["ring"], meta["control"])
+        cached = getattr(self, "_fp8rl_shm_ring", None)
+        if cached is None or cached[0] != names:
+            self.fp8rl_release_shm()
+            self._fp8rl_shm_ring = (names, _attach_untracked(names))
+        ring, ctl = self._fp8rl_shm_ring[1]
+        layout = (meta.get("layout"), int(meta["slot_bytes"]))
+        cached = getattr(self, "_fp8rl_ring_layout", None)
+        if layout[0] is None or cached is None or cached[0] != layout:  # the sender names each layout it plans
+            entries = [TensorEntry(*e) for e in meta["entries"]]
+            cached = self._fp8rl_ring_layout = (layout, entries, ring_pieces(entries, layout[1]))
+        stream = ShmRingStream(ring.buf, layout[1], int(meta["slots"]), cached[1], ctl.buf, int(meta["seq"]),
+                               int(meta["reader"]), float(meta.get("timeout_s") or 600.0), pieces=cached[2])
+        try:
+            out = self._fp8rl_guarded(stream, kv_scales, version)
+        finally:
+            stream.finish()  # a load that stopped early tells the sender at once (it never waits on a ring slot)
+        del stream
+        return out
+
     def fp8rl_release_shm(self) -> None:
         """Unmap the shared-memory segments of the last sync (the sender owns and unlinks them)."""
         cached = getattr(self, "_fp8rl_shm", None)
         ctl = getattr(self, "_fp8rl_shm_ctl", None)
-        self._fp8rl_shm = self._fp8rl_shm_ctl = None
-        for s in (cached[1] if cached else []) + ([ctl[1]] if ctl and ctl[1] is not None else []):
+        ring = getattr(self, "_fp8rl_shm_ring", None)
+        self._fp8rl_shm = self._fp8rl_shm_ctl = self._fp8rl_shm_ring = None
+        for s in ((cached[1] if cached else []) + ([ctl[1]] if ctl and ctl[1] is not None else [])
+                  + (list(ring[1]) if ring else [])):
             try:
                 s.close()
             except BufferError:  # a view is still referenced somewhere; dropped with it
@@ -413,6 +453,151 @@ class ShmBucketStream:
             yield from unpack_buckets(self.buckets, members)
 
 
+def ring_pieces(entries: Sequence[TensorEntry], slot_bytes: int) -> list[list[tuple[int, int, int, int]]]:
+    """Cut a payload laid out in one byte stream (``entries``' offsets; one bucket) into ring chunks of
+    ``slot_bytes``: ``[chunk] -> [(entry index, offset in the tensor, offset in the slot, nbytes)]``."""
+    total = max((e.offset + e.nbytes for e in entries), default=0)
+    out: list[list[tuple[int, int, int, int]]] = [[] for _ in range(max(1, -(-total // slot_bytes)))]
+    for j, e in enumerate(entries):
+        p = 0
+        while p < e.nbytes:
+            c, so = divmod(e.offset + p, slot_bytes)
+            n = min(e.nbytes - p, slot_bytes - so)
+            out[c].append((j, p, so, n))
+            p += n
+    return out
+
+
+_SPIN_S = 50e-6  # a ring slot is copied in ~25 us on the benchmark machine: waits that long are spun
+_YIELD_S = 0.0  # then yield the core for this long (0: go straight to sleeping)
+
+
+def _pause(spins: int, waited_s: float) -> None:
+    """Back-off of a shared-memory wait (``waited_s`` is read every 32 spins): spin while the other side is
+    probably copying, then sleep in short steps, which leaves the core to the other side when the two processes
+    share one (a busy host): a spinning or yielding waiter still takes its share of that core."""
+    import os
+
+    if waited_s < _SPIN_S:
+        return
+    if waited_s < _SPIN_S + _YIELD_S:
+        os.sched_yield()
+    else:
+        time.sleep(20e-6)
+
+
+class ShmRingStream:
+    """Read a payload that the sender streams through a small shared-memory ring of ``slots`` x ``slot_bytes``.
+
+    Why a ring: through payload-sized segments the receiver reads bytes the sender wrote long before, so each of
+    the two copies streams the whole payload through DRAM, and on the 2-core benchmark machine running them
+    concurrently (streamed buckets) was no faster than one after the other. Through a ring the receiver empties
+    right behind the sender, the middle hop stays in the caches: DRAM sees the source read and the destination
+    write, what one direct copy costs, and each process copies on its own core. The sender keeps at most ``lead``
+    chunks (1 MiB by default: the cores' L2 there) ahead of readers that keep pace and fills up to the whole ring
+    only when a reader stalls (not running on a busy host), so the two processes switch less often then.
+
+    Protocol (control block of int64 words ``[seq, ready, consumed_0, consumed_1, ...]``): the sender fills chunk
+    ``c`` into slot ``c % slots`` once every reader has consumed chunk ``c - slots`` and then stores ``ready = c +
+    1`` (``-1``: the sender gave up); reader ``r`` copies chunk ``c`` out once ``ready > c`` and then stores
+    ``consumed_r = seq << 32 | (c + 1)`` (``-seq``: this reader stopped; the sender fails at once instead of
+    waiting). ``seq`` is the sender's sync counter: a reader never takes another sync's chunks, and the sender never
+    counts a word left by another sync's reader. Ordering as in :class:`ShmBucketStream` (x86-64 keeps stores in
+    order; glibc fences its non-temporal stores).
+
+    A receiver that copies into its own memory calls :meth:`copy_into` (no view of the ring escapes). Iterating
+    yields ``(name, tensor)`` as each tensor is complete, each in a fresh tensor the consumer may keep (a slot is
+    refilled once consumed).
+
+    Args:
+      ring: the ring segment's buffer. slot_bytes, slots: ring geometry. entries: the tensors' layout in one byte
+      stream (:func:`plan_buckets` with one bucket). control: the control segment's buffer. seq: this sync's
+      counter. reader: this reader's index (its ``consumed`` word). timeout_s: seconds to wait for one chunk.
+    """
+
+    def __init__(self, ring, slot_bytes: int, slots: int, entries: Sequence[TensorEntry], control, seq: int,
+                 reader: int, timeout_s: float = 600.0, pieces=None):
+        import numpy as np
+
+        self.slot_bytes, self.slots, self.seq, self.reader = int(slot_bytes), int(slots), int(seq), int(reader)
+        self.timeout_s = float(timeout_s)
+        self.ring = np.frombuffer(ring, np.uint8, count=self.slot_bytes * self.slots)
+        self.entries = list(entries)
+        self.pieces = pieces if pieces is not None else ring_pieces(self.entries, self.slot_bytes)
+        self.ctl = np.ndarray((3 + self.reader,), np.int64, buffer=control)
+        self.consumed = 0
+
+    def _wait(self, c: int) -> None:
+        ctl, want = self.ctl, self.seq
+        if ctl[1] > c and ctl[0] == want:
+            return
+        t0, spins, waited = time.perf_counter(), 0, 0.0
+        while True:
+            seq, ready = int(ctl[0]), int(ctl[1])
+            if seq == want and ready > c:
+                return
+            if seq == want and ready < 0:
+                raise WeightSyncError(f"sender aborted shared-memory sync {self.seq} before ring chunk {c}")
+            spins += 1
+            if spins % 32 == 0:
+                waited = time.perf_counter() - t0
+                if waited > self.timeout_s:
+                    raise TimeoutError(f"ring chunk {c} of shared-memory sync {self.seq} not ready after "
+                                       f"{self.timeout_s}s (control: seq {seq}, ready {ready})")
+            _pause(spins, waited)
+
+    def _chunks(self, dsts):
+        """Copy every chunk's pieces into ``dsts[entry index]`` (flat uint8 numpy arrays, or None: allocated by
+        ``alloc``) in order, yielding after each chunk is consumed."""
+        import numpy as np
+
+        ring, slot = self.ring, self.slot_bytes
+        for c, pieces in enumerate(self.pieces):
+            self._wait(c)
+            base = (c % self.slots) * slot
+            for j, toff, so, n in pieces:
+                np.copyto(dsts[j][toff:toff + n], ring[base + so:base + so + n])
+            self.consumed = c + 1
+            self.ctl[2 + self.reader] = (self.seq << 32) | (c + 1)
+            yield c
+
+    def copy_into(self, dsts: Sequence[Any]) -> None:
+        """Copy the payload into ``dsts`` (flat uint8 CPU tensors or arrays, one per entry, in entry order).
+
+        Raises:
+          ValueError: a destination whose byte length differs from its entry (named).
+          WeightSyncError: the sender aborted. TimeoutError: a chunk did not come within ``timeout_s``.
+        """
+        arrs = []
+        for e, d in zip(self.entries, dsts, strict=True):
+            a = d.numpy() if hasattr(d, "numpy") else d
+            if a.size != e.nbytes:
+                raise ValueError(f"{e.name}: destination has {a.size} bytes, the sync sends {e.nbytes}")
+            arrs.append(a)
+        for _ in self._chunks(arrs):
+            pass
+
+    def __iter__(self):
+        import torch
+
+        last = [min((e.offset + max(e.nbytes, 1) - 1) // self.slot_bytes, len(self.pieces) - 1) for e in self.entries]
+        done_at: list[list[int]] = [[] for _ in self.pieces]
+        for j, c in enumerate(last):
+            done_at[c].append(j)
+        out = [torch.empty(e.nbytes, dtype=torch.uint8) for e in self.entries]
+        arrs = [t.numpy() for t in out]
+        for c in self._chunks(arrs):
+            for j in done_at[c]:
+                e = self.entries[j]
+                yield e.name, out[j].view(getattr(torch, e.dtype)).reshape(e.shape)
+                out[j] = arrs[j] = None
+
+    def finish(self) -> None:
+        """Tell the sender this reader stops here if it did not consume every chunk (idempotent)."""
+        if self.consumed < len(self.pieces):
+            self.ctl[2 + self.reader] = -self.seq
+
+
 def _attach_untracked(names: Sequence[str]) -> list:
     """Attach existing shared-memory segments without registering them with a resource tracker.
 
@@ -498,6 +683,9 @@ def _serve_receiver(conn, factory) -> None:
 class _PipePending:
     def __init__(self, conn):
         self.conn = conn
+
+    def done(self) -> bool:
+        return bool(self.conn.poll(0))
 
     def result(self, timeout: float | None = None):
         if not self.conn.poll(timeout):
@@ -614,25 +802,47 @@ class SharedMemoryTransport(Transport):
       bucket_bytes: bucket capacity (default: 512 MiB, or 64 MiB when streaming on CPU). The CPU segments are
         created once and reused while the layout is unchanged (a steady-state sync is one memcpy per tensor plus
         the receiver's load).
-      stream: CPU only. ``True`` (default): the receiver's load starts first and reads bucket ``k`` as soon as the
-        sender has filled it (:class:`ShmBucketStream`; a control word in shared memory, no extra RPC), so the
-        sender's fill and the receiver's copy overlap; ``False``: fill everything, then load.
+      stream: CPU only. ``True`` (default): the receiver's load starts first and reads what the sender has
+        filled so far, so the sender's fill and the receiver's copy overlap: through a ring (below) where the
+        receivers allow it, else bucket ``k`` as soon as the sender has filled it (:class:`ShmBucketStream`; a
+        control word in shared memory, no extra RPC); ``False``: fill everything, then load.
+      ring: streamed CPU sends only. ``None`` (default): stream through a ``ring_slots`` x ``ring_slot_bytes`` ring
+        (:class:`ShmRingStream`: the payload passes through the L3 cache instead of DRAM between the two copies)
+        when every receiver answers ``fp8rl_shm_ring_reader() is True`` (asked once per receiver set: receivers
+        that copy into their own memory, e.g. :class:`rollout_bridge.torch_receiver.TorchParamsReceiver`; a
+        receiver with several workers answers a list and keeps the payload-sized buckets, whose views a loader
+        like vLLM's layerwise reload may keep); ``True``: always (one reader per receiver; other consumers get
+        fresh tensors); ``False``: never.
+      ring_slot_bytes, ring_slots, ring_lead: ring geometry: ``ring_slots`` chunks of ``ring_slot_bytes``; the sender
+        stays within ``ring_lead`` chunks of readers that keep pace (default 32 x 512 KiB, lead 2: 1 MiB, the L2 of
+        a core of the benchmark machine) and uses the whole ring only when a reader stalls.
 
     Attributes:
-      last_buckets: buckets used by the last :meth:`send`.
+      last_buckets: buckets (ring: chunks) used by the last :meth:`send`.
+      last_mode: ``"ring"``, ``"stream"``, ``"unstreamed"`` or ``"cuda_ipc"``: how the last :meth:`send` went.
     """
 
     name = "shm"
 
-    def __init__(self, bucket_bytes: int | None = None, stream: bool = True):
+    def __init__(self, bucket_bytes: int | None = None, stream: bool = True, ring: bool | None = None,
+                 ring_slot_bytes: int = RING_SLOT_BYTES, ring_slots: int = RING_SLOTS, ring_lead: int = RING_LEAD):
         self.stream = bool(stream)
         self.bucket_bytes = int(bucket_bytes or (STREAM_BUCKET_BYTES if self.stream else DEFAULT_BUCKET_BYTES))
+        self.ring = ring
+        self.ring_slot_bytes, self.ring_slots, self.ring_lead = int(ring_slot_bytes), int(ring_slots), int(ring_lead)
+        if self.ring_slot_bytes <= 0 or self.ring_slot_bytes % ALIGN or self.ring_slots < 1 or self.ring_lead < 1:
+            raise ValueError(f"ring geometry {self.ring_slots} x {self.ring_slot_bytes} bytes, lead {self.ring_lead}: "
+                             f"need >= 1 slot of a positive multiple of {ALIGN} bytes and a lead >= 1")
         self._segs: list = []
         self._sizes: list[int] = []
         self._ctl = None
+        self._ring_segs = None  # (readers, ring segment, control segment)
+        self._ring_ok: tuple | None = None  # (receivers, whether all of them read rings)
+        self._ring_layout = None  # (layout key, entries, their tuples, ring pieces, layout id)
         self._seq = 0
         self._cuda = None  # (layout key, device buckets, their IPC handles, bucket-set id)
         self.last_buckets = 0
+        self.last_mode = ""
 
     def _segments(self, sizes: list[int]):
         import torch
@@ -666,13 +876,17 @@ class SharedMemoryTransport(Transport):
                 buckets = [torch.empty(s, dtype=torch.uint8, device=dev) for s in sizes]
                 self._cuda = (key, buckets, [reduce_tensor(b) for b in buckets], uuid.uuid4().hex)
             _, buckets, handles, bid = self._cuda
+            self.last_mode = "cuda_ipc"
             fill_buckets(buckets, tensors, entries)  # the previous sync's loads have all returned
             torch.cuda.synchronize(dev)
             meta = {"entries": flat, "handles": handles, "buckets_id": bid}
             pend = [r.call("fp8rl_load_cuda_ipc", meta, kv_scales, version) for r in receivers]
             _wait_all(receivers, pend, "load (CUDA IPC)", timeout_s, version)
             del buckets
+        elif self.stream and self._use_ring(receivers, timeout_s):
+            return self._send_ring(tensors, kv_scales, version, receivers, timeout_s, t0)
         elif self.stream:
+            self.last_mode = "stream"
             buckets = self._segments(sizes)
             ctl = np.ndarray((2,), np.int64, buffer=self._ctl.buf)
             self._seq += 1
@@ -693,6 +907,7 @@ class SharedMemoryTransport(Transport):
                 del buckets, ctl
             _wait_all(receivers, pend, "load (shared memory, streamed)", timeout_s, version)
         else:
+            self.last_mode = "unstreamed"
             buckets = self._segments(sizes)
             fill_buckets(buckets, tensors, entries)
             del buckets
@@ -701,9 +916,134 @@ class SharedMemoryTransport(Transport):
             _wait_all(receivers, pend, "load (shared memory)", timeout_s, version)
         return SyncStats(self.name, _payload_bytes(tensors), time.perf_counter() - t0, len(sizes))
 
+    def _use_ring(self, receivers, timeout_s) -> bool:
+        if self.ring is not None:
+            return bool(self.ring)
+        key = tuple(receivers)
+        if self._ring_ok is None or self._ring_ok[0] != key:
+            ok = bool(receivers)
+            pend = [r.call("fp8rl_shm_ring_reader") for r in receivers]
+            for p in pend:
+                try:
+                    ok = ok and p.result(timeout=min(timeout_s or 60.0, 60.0)) is True  # a list: several workers
+                except Exception:  # noqa: BLE001 - a receiver without the method reads payload-sized buckets
+                    ok = False
+            self._ring_ok = (key, ok)
+        return self._ring_ok[1]
+
+    def _ring(self, readers: int):
+        from multiprocessing import shared_memory
+
+        if self._ring_segs is None or self._ring_segs[0] != readers:
+            self._close_ring()
+            tag = uuid.uuid4().hex[:12]
+            ring = shared_memory.SharedMemory(create=True, size=self.ring_slot_bytes * self.ring_slots,
+                                              name=f"fp8rl_{tag}_ring")
+            ctl = shared_memory.SharedMemory(create=True, size=8 * (2 + readers), name=f"fp8rl_{tag}_ringctl")
+            self._ring_segs = (readers, ring, ctl)
+        return self._ring_segs[1], self._ring_segs[2]
+
+    def _send_ring(self, tensors, kv_scales, version, receivers, timeout_s, t0) -> SyncStats:
+        """Streamed CPU send through the ring (:class:`ShmRingStream`): fill chunk ``c`` once every reader has
+        consumed chunk ``c - slots``, publish ``ready = c + 1``."""
+        import numpy as np
+
+        slot, slots = self.ring_slot_bytes, self.ring_slots
+        key = (slot, tuple((k, t.dtype, t.shape) for k, t in tensors.items()))
+        if self._ring_layout is None or self._ring_layout[0] != key:  # planned once per layout
+            entries, _ = plan_buckets(tensors, 1 << 62)  # one byte stream: offsets of every tensor in it
+            self._ring_layout = (key, entries, [dataclasses.astuple(e) for e in entries], ring_pieces(entries, slot),
+                                 uuid.uuid4().hex)
+        _, entries, flat, pieces, layout = self._ring_layout
+        ring_seg, ctl_seg = self._ring(len(receivers))
+        ring = np.frombuffer(ring_seg.buf, np.uint8, count=slot * slots)
+        ctl = np.ndarray((2 + len(receivers),), np.int64, buffer=ctl_seg.buf)
+        self._seq += 1
+        seq = self._seq
+        ctl[1] = 0  # nothing ready, nothing consumed; then name the sync the ring now belongs to
+        ctl[2:] = 0
+        ctl[0] = seq
+        self.last_mode, self.last_buckets = "ring", len(pieces)
+        srcs = [_as_bytes(tensors[e.name]).numpy() for e in entries]
+        meta = {"entries": flat, "layout": layout, "ring": ring_seg.name, "control": ctl_seg.name,
+                "slot_bytes": slot, "slots": slots, "seq": seq, "timeout_s": timeout_s}
+        pend = [r.call("fp8rl_load_shm", dict(meta, reader=i), kv_scales, version) for i, r in enumerate(receivers)]
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        lead, close = min(self.ring_lead, slots), True
+        try:
+            for c, ps in enumerate(pieces):
+                if c >= lead:
+                    need = c - lead + 1
+                    if close:  # keep within `lead` chunks of readers that keep pace (a short spin) ...
+                        close = self._wait_consumed(ctl, seq, need, receivers, pend, deadline, version, _SPIN_S)
+                    elif all(int(v) >= (seq << 32) | need for v in ctl[2:]):  # ... they caught up
+                        close = True
+                    if not close and c >= slots and not all(int(v) >= (seq << 32) | (c - slots + 1) for v in ctl[2:]):
+                        # a reader that fell a whole ring behind (not running: a busy host): wait until it is
+                        # within `lead` again, so the two then run close together instead of a ring apart
+                        close = self._wait_consumed(ctl, seq, need, receivers, pend, deadline, version)
+                base = (c % slots) * slot
+                for j, toff, so, n in ps:
+                    np.copyto(ring[base + so:base + so + n], srcs[j][toff:toff + n])
+                ctl[1] = c + 1
+        except BaseException:
+            ctl[1] = -1  # the readers fail now instead of at their timeout
+            raise
+        finally:
+            del ring, ctl, srcs
+        _wait_all(receivers, pend, "load (shared memory, ring)", timeout_s, version)
+        return SyncStats(self.name, _payload_bytes(tensors), time.perf_counter() - t0, len(pieces))
+
+    @staticmethod
+    def _wait_consumed(ctl, seq: int, need: int, receivers, pend, deadline, version: int,
+                       soft_s: float | None = None) -> bool:
+        """Wait until every reader has consumed ``need`` chunks (``True``), or, with ``soft_s``, give up after
+        ``soft_s`` seconds (``False``); a reader that stopped (its word ``-seq``, or its call returned) fails the
+        sync with the receiver's own error, a silent one at ``deadline``."""
+        t0, spins, waited, want = None, 0, 0.0, (seq << 32) | need
+        for i, r in enumerate(receivers):
+            word = 2 + i
+            while True:
+                v = int(ctl[word])
+                if v >= want and v >> 32 == seq:
+                    break
+                if t0 is None:
+                    t0 = time.perf_counter()
+                spins += 1
+                stopped = v == -seq
+                if not stopped and spins % 32 == 0:
+                    waited = time.perf_counter() - t0
+                    done = getattr(pend[i], "done", None)
+                    stopped = bool(spins % 1024 == 0 and done is not None and done())
+                if stopped:
+                    _wait_all([r], [pend[i]], "load (shared memory, ring)", 60.0, version)
+                    raise WeightSyncError(f"receiver {r.name} stopped reading weights v{version} after "
+                                          f"{v & 0xFFFFFFFF if v > 0 else 0} ring chunks")
+                if soft_s is not None and waited > soft_s:
+                    return False
+                if spins % 32 == 0 and deadline is not None and time.monotonic() > deadline:
+                    raise WeightSyncError(f"weight sync v{version} to {r.name} timed out: ring chunk {need - 1} "
+                                          "not consumed")
+                _pause(spins, waited)
+        return True
+
+    def _close_ring(self) -> None:
+        segs, self._ring_segs = self._ring_segs, None
+        for s in (segs[1:] if segs else ()):
+            try:
+                s.close()
+            except BufferError:
+                pass
+            try:
+                s.unlink()
+            except FileNotFoundError:
+                pass
+
     def close(self) -> None:
         """Unlink the shared-memory segments and drop the CUDA IPC buckets."""
         self._cuda = None
+        self._close_ring()
+        self._ring_ok = None
         for s in self._segs + ([self._ctl] if self._ctl is not None else []):
             try:
                 s.close()
@@ -848,4 +1188,4 @@ def order_by_layer(names: Iterable[str]) -> list[str]:
 
 __all__ = ["WeightSyncError", "TensorEntry", "plan_buckets", "fill_buckets", "unpack_buckets", "WeightReceiverMixin",
            "Receiver", "ThreadReceiver", "Transport", "InProcessTransport", "SharedMemoryTransport",
-           "ShmBucketStream", "TorchDistributedTransport", "SyncStats", "make_transport", "free_port", "order_by_layer", "TRANSPORTS"]
+           "ShmBucketStream", "ShmRingStream", "ring_pieces", "TorchDistributedTransport", "SyncStats", "make_transport", "free_port", "order_by_layer", "TRANSPORTS"]

@@ -13,7 +13,7 @@ torch = pytest.importorskip("torch", reason="optional extra: torch (the rollout_
 
 from rollout_bridge.torch_receiver import TorchParamsReceiver  # noqa: E402
 from rollout_bridge.transports import (InProcessTransport, SharedMemoryTransport, ThreadReceiver,  # noqa: E402
-                                       WeightSyncError, copy_many)
+                                       WeightReceiverMixin, WeightSyncError, copy_many)
 
 
 def _bytes(t) -> np.ndarray:
@@ -45,23 +45,179 @@ def test_copy_many_copies_every_byte(threads):
         copy_many([(torch.zeros(3, dtype=torch.uint8), torch.zeros(4, dtype=torch.uint8))])
 
 
-@pytest.mark.parametrize("transport", ["inprocess", "shm"])
+def _transport(kind: str):
+    return {"inprocess": lambda: InProcessTransport(),
+            "shm": lambda: SharedMemoryTransport(bucket_bytes=1 << 20),  # the receiver reads rings: negotiated
+            "shm_ring_laps": lambda: SharedMemoryTransport(ring_slot_bytes=64 << 10, ring_slots=3),  # ~45 laps
+            "shm_buckets": lambda: SharedMemoryTransport(bucket_bytes=1 << 20, ring=False),
+            "shm_unstreamed": lambda: SharedMemoryTransport(stream=False)}[kind]()
+
+
+@pytest.mark.parametrize("transport", ["inprocess", "shm", "shm_ring_laps", "shm_buckets", "shm_unstreamed"])
 def test_receiver_writes_preallocated_tensors_in_place(transport):
     first = _tensors(0)
     mine = {k: torch.zeros_like(v) for k, v in first.items()}
     ids = {k: v.data_ptr() for k, v in mine.items()}
     rec = TorchParamsReceiver(mine, allocate=False, copy_threads=2)
     r = ThreadReceiver(lambda m, a: getattr(rec, m)(*a))
-    tr = InProcessTransport() if transport == "inprocess" else SharedMemoryTransport(bucket_bytes=1 << 20)
+    tr = _transport(transport)
     try:
         for step in range(3):
             ts = _tensors(step)
             tr.send(ts, {0: {"k_scale": 0.5 + step}}, step + 1, [r], timeout_s=60)
+            if transport != "inprocess":
+                assert tr.last_mode == {"shm_buckets": "stream", "shm_unstreamed": "unstreamed"}.get(transport, "ring")
             assert rec.fp8rl_weights_version() == step + 1
             assert rec.kv_scales == {0: {"k_scale": 0.5 + step}}
             for k, v in ts.items():
                 assert mine[k].data_ptr() == ids[k] and rec.params[k] is mine[k]  # the caller's own tensors
                 assert np.array_equal(_bytes(mine[k]), _bytes(v)), (step, k)
+    finally:
+        rec.fp8rl_release_shm()
+        tr.close()
+
+
+class DumpingReceiver(TorchParamsReceiver):
+    """A receiver process's TorchParamsReceiver that can hand its tensors' bytes back (cross-process checks)."""
+
+    def dump(self) -> dict:
+        return {k: (str(v.dtype), tuple(v.shape), _bytes(v).tobytes()) for k, v in self.params.items()}
+
+
+def test_ring_to_a_receiver_process_is_bit_exact_and_reuses_its_tensors():
+    from rollout_bridge.transports import ProcessReceiver
+
+    child = ProcessReceiver(DumpingReceiver, name="ring-child")
+    tr = SharedMemoryTransport(ring_slot_bytes=256 << 10, ring_slots=4)  # 8.6 MB through 1 MiB: ~8 laps
+    try:
+        for step in range(3):
+            ts = _tensors(10 + step)
+            st = tr.send(ts, {}, 7 + step, [child], timeout_s=120)
+            assert tr.last_mode == "ring" and st.buckets == tr.last_buckets > 4 * 8
+            assert child.call("fp8rl_weights_version").result(30) == 7 + step
+            got = child.call("dump").result(60)
+            assert set(got) == set(ts)
+            for k, v in ts.items():
+                assert got[k] == (str(v.dtype), tuple(v.shape), _bytes(v).tobytes()), (step, k)
+    finally:
+        child.call("fp8rl_release_shm").result(30)
+        child.close()
+        tr.close()
+
+
+class _Keeper(WeightReceiverMixin):  # iterates the stream and keeps every tensor it is handed
+    def __init__(self):
+        self.kept = []
+
+    def _fp8rl_load(self, named, kv_scales, version):
+        self.kept.append(dict(named))
+
+
+class _TwoWorkers(_Keeper):
+    def fp8rl_shm_ring_reader(self):
+        return [True, True]  # what a collective_rpc over two workers answers
+
+
+def test_ring_gives_other_consumers_tensors_they_may_keep():
+    """A consumer that keeps the tensors it is handed (vLLM's layerwise reload buffers shards) gets fresh tensors
+    from a ring, valid after the ring was refilled by later syncs; without ``ring=True`` such a receiver (not a ring
+    reader, or several workers) gets the payload-sized buckets."""
+    rec = _Keeper()
+    r = ThreadReceiver(lambda m, a: getattr(rec, m)(*a))
+    tr = SharedMemoryTransport(ring=True, ring_slot_bytes=64 << 10, ring_slots=2)
+    try:
+        sent = [_tensors(20 + step) for step in range(3)]
+        for step, ts in enumerate(sent):
+            tr.send(ts, {}, step + 1, [r], timeout_s=60)
+            assert tr.last_mode == "ring" and rec.fp8rl_weights_version() == step + 1
+        for ts, kept in zip(sent, rec.kept):
+            assert list(kept) == list(ts)  # in the sender's order
+            for k, v in ts.items():
+                assert kept[k].dtype == v.dtype and kept[k].shape == v.shape
+                assert np.array_equal(_bytes(kept[k]), _bytes(v)), k
+    finally:
+        rec.fp8rl_release_shm()
+        tr.close()
+    for cls in (_Keeper, _TwoWorkers):
+        rec = cls()
+        r = ThreadReceiver(lambda m, a: getattr(rec, m)(*a))
+        tr = SharedMemoryTransport(bucket_bytes=1 << 20)
+        try:
+            tr.send(_tensors(0), {}, 1, [r], timeout_s=60)
+            assert tr.last_mode == "stream" and rec.fp8rl_weights_version() == 1
+        finally:
+            rec.fp8rl_release_shm()
+            tr.close()
+
+
+def test_ring_feeds_several_receivers_and_readers_refuse_other_syncs():
+    import time
+    from multiprocessing import shared_memory
+
+    from rollout_bridge.transports import ShmRingStream, plan_buckets
+
+    class Late(TorchParamsReceiver):  # starts reading after the sender has filled the whole ring and waits
+        def _fp8rl_load(self, named, kv_scales, version):
+            time.sleep(0.2)
+            super()._fp8rl_load(named, kv_scales, version)
+
+    recs = [TorchParamsReceiver(copy_threads=1), Late(), TorchParamsReceiver(copy_threads=1)]
+    rs = [ThreadReceiver(lambda m, a, rec=rec: getattr(rec, m)(*a), name=f"r{i}") for i, rec in enumerate(recs)]
+    tr = SharedMemoryTransport(ring_slot_bytes=128 << 10, ring_slots=2)  # the slowest reader paces the sender
+    try:
+        for step in range(2):
+            ts = _tensors(30 + step)
+            tr.send(ts, {}, step + 1, rs, timeout_s=60)
+            assert tr.last_mode == "ring"
+            for rec in recs:
+                assert rec.fp8rl_weights_version() == step + 1
+                assert all(np.array_equal(_bytes(rec.params[k]), _bytes(v)) for k, v in ts.items())
+    finally:
+        for rec in recs:
+            rec.fp8rl_release_shm()
+        tr.close()
+    # the reader side alone: another sync's chunks are never taken; an aborted sender fails the reader at once
+    entries, _ = plan_buckets({"x": torch.zeros(1000, dtype=torch.uint8)}, 1 << 62)
+    ring, ctl_seg = torch.zeros(2 * 512, dtype=torch.uint8), shared_memory.SharedMemory(create=True, size=24)
+    try:
+        ctl = np.ndarray((3,), np.int64, buffer=ctl_seg.buf)
+        ctl[:] = [4, 2, 0]  # sync 4 is complete; a reader of sync 5 must wait for it
+        with pytest.raises(TimeoutError, match="ring chunk 0 of shared-memory sync 5 not ready"):
+            ShmRingStream(ring.numpy(), 512, 2, entries, ctl_seg.buf, seq=5, reader=0, timeout_s=0.2).copy_into(
+                [torch.zeros(1000, dtype=torch.uint8)])
+        ctl[:] = [5, -1, 0]
+        with pytest.raises(WeightSyncError, match="sender aborted shared-memory sync 5 before ring chunk 0"):
+            ShmRingStream(ring.numpy(), 512, 2, entries, ctl_seg.buf, seq=5, reader=0).copy_into(
+                [torch.zeros(1000, dtype=torch.uint8)])
+        stream = ShmRingStream(ring.numpy(), 512, 2, entries, ctl_seg.buf, seq=5, reader=0)
+        stream.finish()
+        assert ctl[2] == -5  # a reader that stops early says so: the sender fails instead of waiting
+        del ctl, stream
+    finally:
+        ctl_seg.close()
+        ctl_seg.unlink()
+
+
+def test_ring_reader_failure_fails_the_sender_fast_by_name():
+    import time
+
+    ts = _tensors(3)
+    mine = {k: torch.zeros_like(v) for k, v in ts.items()}
+    mine["model.norm.weight"] = torch.zeros(78, dtype=torch.bfloat16)
+    rec = TorchParamsReceiver(mine, allocate=False)
+    r = ThreadReceiver(lambda m, a: getattr(rec, m)(*a), name="picky")
+    tr = SharedMemoryTransport(ring_slot_bytes=64 << 10, ring_slots=2)  # the sender must wait on the reader
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(WeightSyncError, match=r"picky.*model.norm.weight: preallocated \(78,\)"):
+            tr.send(ts, {}, 5, [r], timeout_s=60)
+        assert time.monotonic() - t0 < 10  # on the reader's stop word, not at the 60 s timeout
+        assert rec.fp8rl_weights_version() == -1
+        mine["model.norm.weight"] = torch.zeros(77, dtype=torch.bfloat16)  # fixed: the next sync succeeds
+        rec.params["model.norm.weight"] = mine["model.norm.weight"]
+        tr.send(ts, {}, 6, [r], timeout_s=60)
+        assert rec.fp8rl_weights_version() == 6
+        assert all(np.array_equal(_bytes(mine[k]), _bytes(v)) for k, v in ts.items())
     finally:
         rec.fp8rl_release_shm()
         tr.close()
