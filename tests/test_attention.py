@@ -269,3 +269,20 @@ def test_train_config_attention_implementation_reaches_every_attention_module(tm
                               max_tokens=4, progress_bar=False, checkpoint_every=0, plots=False))
     mods = [mod for _, mod in nnx.iter_graph(t.model) if isinstance(mod, Attn)]
     assert mods and all(mod.attention_implementation == "xla" for mod in mods)
+
+
+def test_large_gpu_fallback_to_xla_attention_is_warned_once(monkeypatch):
+    """On a GPU, a cache-less forward that cuDNN cannot run and whose XLA scores are large warns (once per reason)."""
+    import warnings
+
+    from fp8rl_jax.models import attention_impl as ai
+
+    monkeypatch.setattr(ai, "cudnn_attention_available", lambda: True)
+    monkeypatch.setattr(ai, "_max_head_dim", lambda: 128)
+    ai._warn_fallback.cache_clear()
+    with pytest.warns(UserWarning, match=r"materialises \[B, H, 8191, 8191\] scores: cuDNN needs even"):
+        assert ai.resolve_attention_implementation("auto", jnp.bfloat16, 128, 8191, 8191, False) is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ai.resolve_attention_implementation("auto", jnp.bfloat16, 128, 8191, 8191, False)  # once only
+        ai.resolve_attention_implementation("auto", jnp.bfloat16, 128, 511, 511, False)    # small: silent

@@ -214,7 +214,9 @@ def test_fp8_training_product_runs_tiled_with_w8a8_numerics_and_ragged_dot_gradi
     from fp8rl_jax.fp8.training import make_fp8_train_dot_general
 
     cfg, blk = _block("dense", seed=2)
-    x = np.random.default_rng(9).normal(size=(33, cfg.hidden_size)).astype(np.float32)
+    # positive inputs and an all-negative router row: the last expert is never routed to
+    x = np.abs(np.random.default_rng(9).normal(size=(33, cfg.hidden_size))).astype(np.float32)
+    blk.gate.weight[...] = blk.gate.weight[...].at[-1].set(-1.0)
 
     def weight_q(v):
         q, s = ref.quantize_blocks(np.asarray(v, np.float32), 128, 128, formats.WEIGHT_RECIPE)
@@ -238,13 +240,24 @@ def test_fp8_training_product_runs_tiled_with_w8a8_numerics_and_ragged_dot_gradi
     out = np.asarray(nnx.jit(lambda m, v: m(v))(blk, jnp.asarray(x)), np.float64)
     err = np.linalg.norm(out - want) / np.linalg.norm(want)
     assert err < 1e-5, err  # a dense (unquantized) forward is ~1e-2 off
-    g = jax.tree.map(np.asarray, nnx.state(nnx.jit(nnx.grad(loss))(blk, jnp.asarray(x)), nnx.Param))
-    for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g_ref)):
-        # the straight-through gradient is evaluated at the quantized forward: close to the dense one, not equal
-        cos = float(np.sum(a * b) / (np.linalg.norm(a) * np.linalg.norm(b) + 1e-30))
-        assert cos > 0.99, cos
-    # every expert stack gets its gradient only at the experts that were routed to
-    assert any(np.abs(leaf).max() > 0 for leaf in jax.tree.leaves(g))
+    for grad in ("float32", "bf16", "e5m2"):  # the FP8 training backward precisions
+        dg = make_fp8_train_dot_general(grad)
+        for lin in (blk.experts.gate_proj, blk.experts.up_proj, blk.experts.down_proj):
+            lin.dot_general = dg
+        g = jax.tree.map(np.asarray, nnx.state(nnx.jit(nnx.grad(loss))(blk, jnp.asarray(x)), nnx.Param))
+        for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g_ref)):
+            # the straight-through gradient is evaluated at the quantized forward: close to the dense one, not equal
+            assert np.all(np.isfinite(a)), grad
+            cos = float(np.sum(a * b) / (np.linalg.norm(a) * np.linalg.norm(b) + 1e-30))
+            assert cos > 0.99, (grad, cos)
+        # an expert no token was routed to gets exactly zero gradient (padding slots add nothing to any expert)
+        used = set(np.asarray(blk.router(jnp.asarray(x))[2]).ravel().tolist())
+        ge = g["experts"]
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            w = np.asarray(ge[name]["weight"])
+            for j in range(cfg.num_experts):
+                assert (np.abs(w[j]).max() > 0) == (j in used), (grad, name, j)
+        assert cfg.num_experts - 1 not in used and len(used) > 1  # both cases are exercised
 
 
 def test_tiled_expert_backward_needs_far_less_memory_than_ragged_dot():
@@ -272,3 +285,17 @@ def test_tiled_expert_backward_needs_far_less_memory_than_ragged_dot():
     rows_bytes = 2048 * 8 * (cfg.hidden_size + cfg.moe_intermediate_size) * 4
     assert tiled < ragged / 4, (tiled, ragged)
     assert tiled < 16 * rows_bytes, (tiled, rows_bytes)  # linear in the routed rows, not E times them
+
+
+def test_auto_picks_ragged_dot_for_decode_and_tiles_for_training():
+    """At Qwen3-30B-A3B expert sizes (E=128, top-8, N=768, K=2048): a decode step's few routed rows would make most
+    tiles padding copies of a weight, so auto keeps ragged_dot; prefill/training row counts get tiles."""
+    from fp8rl_jax.models.grouped import choose_tile_rows, num_tiles, prefer_tiled
+
+    def pick(rows):
+        m = choose_tile_rows(rows, 128, 768, 2048)
+        return prefer_tiled(rows, 128, m, 768, 2048), num_tiles(rows, 128, m)
+
+    assert pick(8) == (False, pick(8)[1]) and pick(8)[1] > 100       # batch-1 decode: 113 tiles for 8 rows
+    assert not pick(64 * 8)[0]                                         # batch-64 decode
+    assert pick(4096 * 8)[0] and pick(36864 * 8)[0]                   # prefill, a training micro-batch

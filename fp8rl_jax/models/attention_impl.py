@@ -7,7 +7,18 @@ layer for Qwen3-8B (32 heads x 20992^2 x 4 bytes, by arithmetic), more than an H
 can run: a CUDA backend with cuDNN, bf16/fp16 queries, a head dim that is a multiple of 8 and at most 128 (256 on
 Hopper and later; cuDNN's limit as JAX checks it), even query and key lengths (cuDNN's rule for a bias in training;
 the boolean mask reaches cuDNN as a ``[B, 1, S, T]`` bias), and no KV cache (decode steps have one query row; their
-scores are small and they stay on XLA). Everything else runs XLA's attention, with identical numerics to before.
+scores are small and they stay on XLA). Everything else runs XLA's attention, with identical numerics to before;
+on a GPU a cache-less forward of at least 4096 x 4096 that falls back is warned about once per reason.
+
+What cuDNN still costs and changes (JAX 0.10.2): the boolean mask becomes a ``[B, 1, S, T]`` bias in the query
+dtype, and the backward allocates a bias gradient of the same shape (~0.9 GB each per sequence and layer at
+20992 tokens in bf16, by arithmetic); a padding query row (no visible key) attends almost uniformly (bf16) or to
+all keys (fp16's -32768 bias), finite and masked downstream as with XLA; the softmax accumulates in another order
+than XLA's, so trainer logprobs (cuDNN) and rollout logprobs (the engine's cached steps run XLA) differ by
+rounding, part of the measured train-inference mismatch. cuDNN needs q, k and v sharded alike: with a ``tensor``
+mesh axis that does not divide the KV heads (which are then replicated) the trainer uses XLA
+(:class:`fp8rl_jax.trainer.loop.RLTrainer`). The choice follows ``jax.default_backend()``: a computation pinned to
+the CPU on a GPU host should set ``"xla"``.
 
 Source: JAX ``jax.nn.dot_product_attention`` (``implementation="cudnn"`` and its checks in
 ``jax._src.cudnn.fused_attention_stablehlo.check_is_flash_attention``).
@@ -16,6 +27,7 @@ Source: JAX ``jax.nn.dot_product_attention`` (``implementation="cudnn"`` and its
 from __future__ import annotations
 
 import functools
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -85,4 +97,16 @@ def resolve_attention_implementation(setting: str | None, dtype, head_dim: int, 
         if problem:
             raise ValueError(f"attention_implementation='cudnn' cannot run here: {problem}")
         return "cudnn"
+    if problem and q_len * kv_len >= LARGE_SCORES and cudnn_attention_available():
+        _warn_fallback(problem, q_len, kv_len)
     return None if problem else "cudnn"
+
+
+#: query x key length from which a GPU fallback to XLA's attention (materialised scores) is warned about
+LARGE_SCORES = 4096 * 4096
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_fallback(problem: str, q_len: int, kv_len: int) -> None:
+    warnings.warn(f"attention falls back to XLA's implementation, which materialises [B, H, {q_len}, {kv_len}] "
+                  f"scores: {problem}", stacklevel=3)

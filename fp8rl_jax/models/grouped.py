@@ -39,7 +39,8 @@ class TileLayout(NamedTuple):
 
     Attributes:
       slot_row: int32 ``[G * m]``: the sorted-row index (in ``[0, R)``) a slot holds; padding slots hold 0.
-      valid: bool ``[G * m]``: the slot holds a row (False: padding, zero input, output discarded).
+      valid: bool ``[G * m]``: the slot holds a row (False: padding; callers feed it a zero row and drop its output,
+        as :func:`grouped_matmul` does with ``mode="drop"``).
       tile_group: int32 ``[G]``: the expert (group) of each tile; padding tiles get the last group.
     """
 
@@ -81,14 +82,22 @@ def choose_tile_rows(num_rows: int, num_groups: int, n: int, k: int) -> int:
 
 
 def prefer_tiled(num_rows: int, num_groups: int, tile_rows: int, n: int, k: int) -> bool:
-    """Whether the tiled product touches fewer elements than ``ragged_dot``'s dense expansion.
+    """Whether the tiled product moves fewer elements than ``ragged_dot``'s dense expansion.
 
-    Tiled: ``G * m * (K + N) + G * N * K``; expanded: ``E * R * (K + N) + E * N * K`` (XLA's rewrite of a ragged
-    dot into a batched dot over the zero-padded ``[E, R, K]`` operand). Small ``R`` (decode steps) favours the
-    expansion, which reads each weight once; training and prefill favour the tiles.
+    Tiled: ``G * m * (K + N)`` for the tiled rows plus ``3 * G * N * K`` for the gathered weights (read from the
+    stack, written as tiles, read by the product); expanded: ``E * R * (K + N) + E * N * K`` (XLA's rewrite of a
+    ragged dot into a batched dot over the zero-padded ``[E, R, K]`` operand, each weight read once). Decode steps
+    (``R`` about ``E`` or less: most tiles would be padding copies of a weight) favour the expansion; training and
+    prefill favour the tiles. Element counts, not a timing model.
+
+    Args:
+      num_rows: ``R``. num_groups: ``E``. tile_rows: ``m``. n, k: the weight's ``N`` and ``K``.
+
+    Raises:
+      ValueError: as :func:`num_tiles`.
     """
     g = num_tiles(num_rows, num_groups, tile_rows)
-    tiled = g * tile_rows * (k + n) + g * n * k
+    tiled = g * tile_rows * (k + n) + 3 * g * n * k
     expanded = num_groups * num_rows * (k + n) + num_groups * n * k
     return tiled < expanded
 
@@ -139,6 +148,10 @@ def tiled_dot(x_tiles: jax.Array, w_tiles: jax.Array, *, dot_general: Callable |
       preferred_element_type: accumulation / output dtype for ``jax.lax.dot_general`` (ignored with a custom
         ``dot_general``, whose output dtype is its own).
 
+    Returns:
+      ``[G, m, N]`` in ``preferred_element_type`` (else the operands' promoted dtype), or a custom
+      ``dot_general``'s output dtype.
+
     Raises:
       ValueError: mismatched tile counts or contracting sizes.
     """
@@ -167,7 +180,7 @@ def grouped_matmul(xs: jax.Array, w: jax.Array, group_sizes: jax.Array, *, tile_
       dot_general, preferred_element_type: as :func:`tiled_dot`.
 
     Returns:
-      ``[R, N]``.
+      ``[R, N]`` in :func:`tiled_dot`'s output dtype.
 
     Raises:
       ValueError: ``xs`` / ``w`` / ``group_sizes`` shapes disagree.

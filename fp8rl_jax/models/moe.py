@@ -32,8 +32,13 @@ capacity factor), and it is differentiable. Two lowerings (``SparseMoeBlock.grou
   the Qwen3-30B-A3B train step's temporaries 322-572 GiB per device; tiled they fit (docs/REPRODUCTION.md).
 * ``"ragged_dot"``: :func:`jax.lax.ragged_dot` on ``[E, K, N]`` views of the stacks.
 
-``"auto"`` (default) picks whichever touches fewer elements (:func:`fp8rl_jax.models.grouped.prefer_tiled`):
-tiles for training and prefill. With FP8 experts the W8A8 blockwise numerics are those of
+``"auto"`` (default) picks whichever moves fewer elements (:func:`fp8rl_jax.models.grouped.prefer_tiled`):
+tiles for training and prefill, ``ragged_dot`` for decode steps of up to about E routed rows (where most tiles would
+be padding copies of a weight). On a mesh the ``expert`` axis shards the stacks' storage, but XLA does not split
+the tiled product over it: the per-tile weight gather from an expert-sharded stack becomes a masked local gather
+plus an all-reduce over ``expert``, so every device holds all tiles (on its ``fsdp`` shard of the hidden size).
+For the 30B-A3B configs use ``fsdp`` (the paper's mesh is ``fsdp=16``); expert-parallel dispatch (all-to-all of
+the routed rows under ``shard_map``) is not built. With FP8 experts the W8A8 blockwise numerics are those of
 :func:`fp8rl_jax.fp8.w8a8_block_matmul`'s dequantize path: activations are quantized per token in 1x128 groups
 (vLLM ``QuantFP8`` native rounding), weights are the dequantized e4m3 blocks, products accumulate in float32; on a
 CUDA GPU the grouped Pallas kernel (:func:`fp8rl_jax.fp8.pallas_grouped.grouped_w8a8_matmul`) reads the e4m3
@@ -242,7 +247,9 @@ class SparseMoeBlock(nnx.Module):
         """One expert projection on tiles: ``x_tiles [G, m, K]`` -> ``[G, m, N]`` with each tile's expert weight.
 
         FP8 weights: the tiles' e4m3 blocks and scales gathered, dequantized in float32 (the numerics of the
-        ``ragged_dot`` path); a ``dot_general`` set (FP8 training): it runs on the ``[G, N, K]`` tiles of the
+        ``ragged_dot`` path; a training ``dot_general`` never reaches FP8 weights:
+        :func:`fp8rl_jax.trainer.precision.apply_train_precision` refuses pre-quantized linears); a ``dot_general``
+        set (FP8 training): it runs on the ``[G, N, K]`` tiles of the
         weight cast to ``dtype`` (gathered from the master stack, so the per-tile weight gradients are summed
         per expert in the master dtype); else ``jax.lax.dot_general`` in ``dtype`` accumulating in ``acc``.
         """

@@ -113,9 +113,14 @@ class RLTrainer:
                 print(f"mesh {format_mesh_shape(mesh_shape_of(self.mesh))}: replicated where not divisible:\n"
                       f"{self.sharding_plan.summary()}", flush=True)
         del params
+        attn_impl = config.attention_implementation
+        tensor = dict(mesh_shape_of(self.mesh)).get("tensor", 1) if self.mesh is not None else 1
+        if attn_impl == "auto" and model_cfg.num_key_value_heads % tensor:
+            # cuDNN attention needs q, k, v sharded alike; KV heads the tensor axis does not divide are replicated
+            attn_impl = "xla"
         for _, mod in nnx.iter_graph(self.model):
             if hasattr(mod, "attention_implementation"):
-                mod.attention_implementation = config.attention_implementation
+                mod.attention_implementation = attn_impl
         apply_train_precision(self.model, config.train_precision, fp8_grad=config.fp8_train_grad)
         self.optimizer = nnx.Optimizer(self.model, wrap_optimizer(make_optimizer(config), config.train_precision),
                                        wrt=nnx.Param)
