@@ -945,7 +945,7 @@ class SharedMemoryTransport(Transport):
 
     def _send_ring(self, tensors, kv_scales, version, receivers, timeout_s, t0) -> SyncStats:
         """Streamed CPU send through the ring (:class:`ShmRingStream`): fill chunk ``c`` once every reader has
-        consumed chunk ``c - slots``, publish ``ready = c + 1``."""
+        consumed chunk ``c - lead`` (or, for a reader that stalls, ``c - slots``), publish ``ready = c + 1``."""
         import numpy as np
 
         slot, slots = self.ring_slot_bytes, self.ring_slots
@@ -964,13 +964,13 @@ class SharedMemoryTransport(Transport):
         ctl[2:] = 0
         ctl[0] = seq
         self.last_mode, self.last_buckets = "ring", len(pieces)
-        srcs = [_as_bytes(tensors[e.name]).numpy() for e in entries]
         meta = {"entries": flat, "layout": layout, "ring": ring_seg.name, "control": ctl_seg.name,
                 "slot_bytes": slot, "slots": slots, "seq": seq, "timeout_s": timeout_s}
         pend = [r.call("fp8rl_load_shm", dict(meta, reader=i), kv_scales, version) for i, r in enumerate(receivers)]
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        lead, close = min(self.ring_lead, slots), True
+        lead, close, srcs = min(self.ring_lead, slots), True, None
         try:
+            srcs = [_as_bytes(tensors[e.name]).numpy() for e in entries]  # while the receivers set up their loads
             for c, ps in enumerate(pieces):
                 if c >= lead:
                     need = c - lead + 1
