@@ -1029,31 +1029,29 @@ class SharedMemoryTransport(Transport):
 
     def _close_ring(self) -> None:
         segs, self._ring_segs = self._ring_segs, None
-        for s in (segs[1:] if segs else ()):
-            try:
-                s.close()
-            except BufferError:
-                pass
-            try:
-                s.unlink()
-            except FileNotFoundError:
-                pass
+        _release_segments(segs[1:] if segs else ())
 
     def close(self) -> None:
         """Unlink the shared-memory segments and drop the CUDA IPC buckets."""
         self._cuda = None
         self._close_ring()
         self._ring_ok = None
-        for s in self._segs + ([self._ctl] if self._ctl is not None else []):
-            try:
-                s.close()
-            except BufferError:
-                pass
-            try:
-                s.unlink()
-            except FileNotFoundError:
-                pass
+        _release_segments(self._segs + ([self._ctl] if self._ctl is not None else []))
         self._segs, self._sizes, self._ctl = [], [], None
+
+
+def _release_segments(segments) -> None:
+    """Close and unlink shared-memory segments (a segment still viewed stays mapped until the views go; an already
+    unlinked one is skipped)."""
+    for s in segments:
+        try:
+            s.close()
+        except BufferError:
+            pass
+        try:
+            s.unlink()
+        except FileNotFoundError:
+            pass
 
 
 def free_port(host: str = "127.0.0.1") -> int:

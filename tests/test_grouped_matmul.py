@@ -113,29 +113,17 @@ def _block(precision, *, seed=0, e=8, hidden=256, inter=128, k=2):
 
 
 def _f64_moe(x, blk, k, weight_q=None, act_q=None, ws=None):
-    """float64 Qwen3-MoE block: softmax over experts, top-k renormalised, per selected expert SwiGLU (weights:
-    ``ws`` or the block's stacks, each through ``weight_q``; expert inputs through ``act_q``)."""
-    router = np.asarray(blk.gate.weight[...], np.float64)
+    """float64 Qwen3-MoE block (tests/test_stacked_experts.py's per-token reference) on the block's router and
+    stacks (or ``ws``), each weight through ``weight_q``, expert inputs through ``act_q``."""
+    from test_stacked_experts import _reference
+
     if ws is None:
         ws = {n: np.asarray(getattr(blk.experts, n).weight[...], np.float64)
               for n in ("gate_proj", "up_proj", "down_proj")}
     if weight_q:
         ws = {n: weight_q(v) for n, v in ws.items()}
-    aq = act_q or (lambda v: v)
-    logits = x @ router.T
-    p = np.exp(logits - logits.max(-1, keepdims=True))
-    p /= p.sum(-1, keepdims=True)
-    ids = np.argsort(-p, axis=-1, kind="stable")[:, :k]
-    gw = np.take_along_axis(p, ids, -1)
-    gw /= gw.sum(-1, keepdims=True)
-    out = np.zeros_like(x)
-    for t in range(x.shape[0]):
-        xi = aq(x[t:t + 1])[0]
-        for s in range(k):
-            j = ids[t, s]
-            g, u = ws["gate_proj"][j] @ xi, ws["up_proj"][j] @ xi
-            h = g / (1 + np.exp(-g)) * u
-            out[t] += gw[t, s] * (ws["down_proj"][j] @ aq(h[None])[0])
+    out, _ = _reference(x, np.asarray(blk.gate.weight[...], np.float64), ws["gate_proj"], ws["up_proj"],
+                        ws["down_proj"], k, act_q)
     return out
 
 
