@@ -276,8 +276,9 @@ def test_tiled_expert_backward_needs_far_less_memory_than_ragged_dot():
 
 
 def test_auto_picks_ragged_dot_for_decode_and_tiles_for_training():
-    """At Qwen3-30B-A3B expert sizes (E=128, top-8, N=768, K=2048): a decode step's few routed rows would make most
-    tiles padding copies of a weight, so auto keeps ragged_dot; prefill/training row counts get tiles."""
+    """At Qwen3-30B-A3B expert sizes (E=128, top-8, N=768, K=2048): a small decode step's few routed rows would make
+    most tiles padding copies of a weight, so auto keeps ragged_dot; large decode batches, prefill and training get
+    tiles."""
     from fp8rl_jax.models.grouped import choose_tile_rows, num_tiles, prefer_tiled
 
     def pick(rows):
@@ -286,4 +287,5 @@ def test_auto_picks_ragged_dot_for_decode_and_tiles_for_training():
 
     assert pick(8) == (False, pick(8)[1]) and pick(8)[1] > 100       # batch-1 decode: 113 tiles for 8 rows
     assert not pick(64 * 8)[0]                                         # batch-64 decode
+    assert pick(128 * 8)[0]                                            # batch-128 decode: 142 tiles for 1024 rows
     assert pick(4096 * 8)[0] and pick(36864 * 8)[0]                   # prefill, a training micro-batch

@@ -85,10 +85,11 @@ def prefer_tiled(num_rows: int, num_groups: int, tile_rows: int, n: int, k: int)
     """Whether the tiled product moves fewer elements than ``ragged_dot``'s dense expansion.
 
     Tiled: ``G * m * (K + N)`` for the tiled rows plus ``3 * G * N * K`` for the gathered weights (read from the
-    stack, written as tiles, read by the product); expanded: ``E * R * (K + N) + E * N * K`` (XLA's rewrite of a
-    ragged dot into a batched dot over the zero-padded ``[E, R, K]`` operand, each weight read once). Decode steps
-    (``R`` about ``E`` or less: most tiles would be padding copies of a weight) favour the expansion; training and
-    prefill favour the tiles. Element counts, not a timing model.
+    stack, written as tiles, read by the product); expanded: ``2 * E * R * (K + N) + E * N * K`` (XLA's rewrite of
+    a ragged dot into a batched dot over the zero-padded ``[E, R, K]`` operand: the expanded rows and outputs
+    written and read, each weight read once). Decode steps of a few rows per expert (at 30B-A3B sizes up to about
+    64 sequences: most tiles would be padding copies of a weight) favour the expansion; larger decode batches,
+    prefill and training favour the tiles. Element counts, not a timing model.
 
     Args:
       num_rows: ``R``. num_groups: ``E``. tile_rows: ``m``. n, k: the weight's ``N`` and ``K``.
@@ -98,7 +99,7 @@ def prefer_tiled(num_rows: int, num_groups: int, tile_rows: int, n: int, k: int)
     """
     g = num_tiles(num_rows, num_groups, tile_rows)
     tiled = g * tile_rows * (k + n) + 3 * g * n * k
-    expanded = num_groups * num_rows * (k + n) + num_groups * n * k
+    expanded = 2 * num_groups * num_rows * (k + n) + num_groups * n * k
     return tiled < expanded
 
 

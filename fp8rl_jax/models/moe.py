@@ -33,8 +33,8 @@ capacity factor), and it is differentiable. Two lowerings (``SparseMoeBlock.grou
 * ``"ragged_dot"``: :func:`jax.lax.ragged_dot` on ``[E, K, N]`` views of the stacks.
 
 ``"auto"`` (default) picks whichever moves fewer elements (:func:`fp8rl_jax.models.grouped.prefer_tiled`):
-tiles for training and prefill, ``ragged_dot`` for decode steps of up to about E routed rows (where most tiles would
-be padding copies of a weight). On a mesh the ``expert`` axis shards the stacks' storage, but XLA does not split
+tiles for training, prefill and large decode batches, ``ragged_dot`` for decode steps of a few rows per expert
+(where most tiles would be padding copies of a weight). On a mesh the ``expert`` axis shards the stacks' storage, but XLA does not split
 the tiled product over it: the per-tile weight gather from an expert-sharded stack becomes a masked local gather
 plus an all-reduce over ``expert``, so every device holds all tiles (on its ``fsdp`` shard of the hidden size).
 For the 30B-A3B configs use ``fsdp`` (the paper's mesh is ``fsdp=16``); expert-parallel dispatch (all-to-all of
