@@ -469,20 +469,13 @@ def ring_pieces(entries: Sequence[TensorEntry], slot_bytes: int) -> list[list[tu
 
 
 _SPIN_S = 50e-6  # a ring slot is copied in ~25 us on the benchmark machine: waits that long are spun
-_YIELD_S = 0.0  # then yield the core for this long (0: go straight to sleeping)
 
 
 def _pause(spins: int, waited_s: float) -> None:
     """Back-off of a shared-memory wait (``waited_s`` is read every 32 spins): spin while the other side is
     probably copying, then sleep in short steps, which leaves the core to the other side when the two processes
     share one (a busy host): a spinning or yielding waiter still takes its share of that core."""
-    import os
-
-    if waited_s < _SPIN_S:
-        return
-    if waited_s < _SPIN_S + _YIELD_S:
-        os.sched_yield()
-    else:
+    if waited_s >= _SPIN_S:
         time.sleep(20e-6)
 
 

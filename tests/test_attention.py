@@ -214,7 +214,8 @@ def test_attention_implementation_choice_and_named_errors(monkeypatch):
     assert pick("auto", jnp.bfloat16, 256, 512, 512, False) is None     # over the pre-Hopper limit
     assert pick("auto", jnp.bfloat16, 128, 511, 511, False) is None     # odd lengths with a mask
     assert pick("auto", jnp.bfloat16, 128, 1, 512, True) is None        # KV-cache steps stay on XLA
-    assert pick("xla", jnp.bfloat16, 128, 512, 512, False) is None and pick(None, jnp.bfloat16, 128, 2, 2, False) is None
+    assert pick("xla", jnp.bfloat16, 128, 512, 512, False) is None
+    assert pick(None, jnp.bfloat16, 128, 2, 2, False) is None
     with pytest.raises(ValueError, match="multiple of 8"):
         pick("cudnn", jnp.bfloat16, 100, 512, 512, False)
     with pytest.raises(ValueError, match="attention_implementation must be one of"):

@@ -3,10 +3,11 @@
 Issue 19 asks for "attention through ``jax.nn.dot_product_attention`` (cuDNN flash on GPU, XLA on CPU)". JAX's
 ``implementation=None`` is XLA's attention on every backend (JAX 0.10: "defaults to XLA for now"), which
 materialises the ``[B, H, S, T]`` scores: at the paper configs' 20480-token responses that is ~56 GB per sequence and
-layer for Qwen3-8B (32 heads x 20992^2 x 4 bytes, by arithmetic), more than an H100 holds. ``"auto"`` (the default) therefore asks for cuDNN's fused flash attention when it
-can run: a CUDA backend with cuDNN, bf16/fp16 queries, a head dim that is a multiple of 8 and at most 128 (256 on
-Hopper and later; cuDNN's limit as JAX checks it), even query and key lengths (cuDNN's rule for a bias in training;
-the boolean mask reaches cuDNN as a ``[B, 1, S, T]`` bias), and no KV cache (decode steps have one query row; their
+layer for Qwen3-8B (32 heads x 20992^2 x 4 bytes, by arithmetic), more than an H100 holds. ``"auto"`` (the default)
+therefore asks for cuDNN's fused flash attention when it can run: a CUDA backend with cuDNN, bf16/fp16 queries, a
+head dim that is a multiple of 8 and at most 128 (256 on Hopper and later; cuDNN's limit as JAX checks it), even
+query and key lengths (cuDNN's rule for a bias in training; the boolean mask reaches cuDNN as a ``[B, 1, S, T]``
+bias), and no KV cache (decode steps have one query row; their
 scores are small and they stay on XLA). Everything else runs XLA's attention, with identical numerics to before;
 on a GPU a cache-less forward of at least 4096 x 4096 that falls back is warned about once per reason.
 
@@ -58,10 +59,13 @@ def _max_head_dim() -> int:
     return 256 if cc >= (9, 0) else 128
 
 
-def cudnn_attention_problem(dtype, head_dim: int, q_len: int, kv_len: int, has_cache: bool) -> str | None:
-    """Why cuDNN flash attention cannot run this call (a sentence), or None when it can (module docstring)."""
-    if has_cache:
-        return "a KV-cache step (decode/prefill into a cache) stays on XLA"
+#: query x key length from which a GPU fallback to XLA's attention (materialised scores) is warned about
+LARGE_SCORES = 4096 * 4096
+
+
+def cudnn_attention_problem(dtype, head_dim: int, q_len: int, kv_len: int) -> str | None:
+    """Why cuDNN flash attention cannot run this cache-less call (a sentence), or None when it can (module
+    docstring)."""
     if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
         return f"cuDNN flash attention needs bfloat16 or float16 queries, got {jnp.dtype(dtype).name}"
     if head_dim % 8 or head_dim > _max_head_dim():
@@ -92,7 +96,7 @@ def resolve_attention_implementation(setting: str | None, dtype, head_dim: int, 
         raise ValueError(f"attention_implementation must be one of {ATTENTION_IMPLS}, got {setting!r}")
     if has_cache:
         return None
-    problem = cudnn_attention_problem(dtype, head_dim, q_len, kv_len, False)
+    problem = cudnn_attention_problem(dtype, head_dim, q_len, kv_len)
     if setting == "cudnn":
         if problem:
             raise ValueError(f"attention_implementation='cudnn' cannot run here: {problem}")
@@ -100,10 +104,6 @@ def resolve_attention_implementation(setting: str | None, dtype, head_dim: int, 
     if problem and q_len * kv_len >= LARGE_SCORES and cudnn_attention_available():
         _warn_fallback(problem, q_len, kv_len)
     return None if problem else "cudnn"
-
-
-#: query x key length from which a GPU fallback to XLA's attention (materialised scores) is warned about
-LARGE_SCORES = 4096 * 4096
 
 
 @functools.lru_cache(maxsize=None)

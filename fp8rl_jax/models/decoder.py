@@ -194,8 +194,8 @@ class Attention(nnx.Module):
         ``[B, H, S, T]`` scores; cuDNN's does not (the mask reaches it as a ``[B, 1, S, T]`` bias). A query row with
         no visible key (a padding row) gets a uniform average over all slots with XLA (about uniform with cuDNN);
         its output is meaningless and masked downstream. The FP8-attention path (``q_scale``) keeps an explicit
-        einsum because ``QK^T`` runs on e4m3 values rescaled by ``q_scale * k_scale`` before the softmax; so does ``float16``
-        compute with the default implementation (XLA:CPU rejects the ``F16_F16_F32`` dot algorithm JAX's XLA
+        einsum because ``QK^T`` runs on e4m3 values rescaled by ``q_scale * k_scale`` before the softmax; so does
+        ``float16`` compute with the default implementation (XLA:CPU rejects the ``F16_F16_F32`` dot algorithm JAX's XLA
         attention asks for; same numerics).
 
         Raises:

@@ -34,9 +34,10 @@ capacity factor), and it is differentiable. Two lowerings (``SparseMoeBlock.grou
 
 ``"auto"`` (default) picks whichever moves fewer elements (:func:`fp8rl_jax.models.grouped.prefer_tiled`):
 tiles for training, prefill and large decode batches, ``ragged_dot`` for decode steps of a few rows per expert
-(where most tiles would be padding copies of a weight). On a mesh the ``expert`` axis shards the stacks' storage, but XLA does not split
-the tiled product over it: the per-tile weight gather from an expert-sharded stack becomes a masked local gather
-plus an all-reduce over ``expert``, so every device holds all tiles (on its ``fsdp`` shard of the hidden size).
+(where most tiles would be padding copies of a weight). On a mesh the ``expert`` axis shards the stacks' storage,
+but XLA does not split the tiled product over it: the per-tile weight gather from an expert-sharded stack becomes a
+masked local gather plus an all-reduce over ``expert``, so every device holds all tiles (on its ``fsdp`` shard of
+the hidden size).
 For the 30B-A3B configs use ``fsdp`` (the paper's mesh is ``fsdp=16``); expert-parallel dispatch (all-to-all of
 the routed rows under ``shard_map``) is not built. With FP8 experts the W8A8 blockwise numerics are those of
 :func:`fp8rl_jax.fp8.w8a8_block_matmul`'s dequantize path: activations are quantized per token in 1x128 groups
@@ -228,8 +229,7 @@ class SparseMoeBlock(nnx.Module):
     tile_rows: int | None = None
 
     def _tile_rows(self, rows: int) -> int:
-        ex = self.experts
-        inter, hidden = ex.gate_proj.weight.shape[1], ex.gate_proj.weight.shape[2]
+        _, inter, hidden = self.experts.gate_proj.weight.shape
         return self.tile_rows or choose_tile_rows(rows, self.num_experts, inter, hidden)
 
     def _grouped_impl(self, rows: int) -> str:
@@ -238,8 +238,7 @@ class SparseMoeBlock(nnx.Module):
             raise ValueError(f"grouped_impl must be 'auto', 'tiled' or 'ragged_dot', got {impl!r}")
         if impl != "auto":
             return impl
-        ex = self.experts
-        inter, hidden = ex.gate_proj.weight.shape[1], ex.gate_proj.weight.shape[2]
+        _, inter, hidden = self.experts.gate_proj.weight.shape
         tiled = prefer_tiled(rows, self.num_experts, self._tile_rows(rows), inter, hidden)
         return "tiled" if tiled else "ragged_dot"
 
@@ -278,10 +277,10 @@ class SparseMoeBlock(nnx.Module):
         pair = order[lay.slot_row]                              # [G*m] (token, slot) pair of each tile slot
         token = pair // self.top_k
         keep = lay.valid[:, None]
-        xs = self._act_in(jnp.where(keep, xt[token], jnp.zeros((), xt.dtype)))
+        xs = self._act_in(jnp.where(keep, xt[token], jnp.zeros((), xt.dtype))).reshape(-1, m, hidden)
         acc = jnp.float32 if self.precision == "fp8" else self.dtype
-        g = self._tile_proj(ex.gate_proj, xs.reshape(-1, m, hidden), lay.tile_group, acc)
-        u = self._tile_proj(ex.up_proj, xs.reshape(-1, m, hidden), lay.tile_group, acc)
+        g = self._tile_proj(ex.gate_proj, xs, lay.tile_group, acc)
+        u = self._tile_proj(ex.up_proj, xs, lay.tile_group, acc)
         h = jax.nn.silu(g.astype(self.dtype)) * u.astype(self.dtype)
         hs = self._act_in(h.reshape(-1, h.shape[-1]))
         y = self._tile_proj(ex.down_proj, hs.reshape(h.shape), lay.tile_group, acc).astype(self.dtype)
@@ -342,7 +341,7 @@ class SparseMoeBlock(nnx.Module):
         flat = ids.reshape(-1)                                  # [T*k] expert of each (token, slot)
         order = jnp.argsort(flat, stable=True)                  # group pairs by expert
         group_sizes = jnp.bincount(flat, length=self.num_experts).astype(jnp.int32)
-        if self._fp8_kernel() and ex.gate_proj.dot_general is None:
+        if self._fp8_kernel():
             token = order // self.top_k                         # token of each sorted pair
             y = self._fp8_grouped_experts(xt[token], group_sizes)
             y = y * weights.reshape(-1)[order][:, None]
