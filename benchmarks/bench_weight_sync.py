@@ -31,7 +31,10 @@ random weights) the script holds float32 master params in an NNX model, as the t
   with ordinary stores, cannot reach), and ``tensor_copy``: the same bytes copied
   tensor by tensor with a dtype-typed ``torch`` ``copy_`` (what vLLM's weight loaders do with each tensor; on
   CPU about half of ``memcpy``'s bandwidth on one thread);
-* ``vllm`` (with ``--vllm``, 135m only on CPU): ``VllmRolloutEngine.update_weights`` into a real in-process vLLM.
+* ``vllm`` (with ``--vllm``, 135m only on CPU): ``VllmRolloutEngine.update_weights`` into a real in-process vLLM
+  (in-process transport) and ``vllm_transfer`` the same through vLLM's weight-transfer API
+  (:class:`rollout_bridge.vllm_transfer.VllmWeightTransferTransport`: vLLM's NCCL engine on CUDA, our gloo engine
+  on CPU), with its achieved bandwidth ``vllm_transfer_GB_per_s``.
 
 Ratios: ``inprocess_x_floor = (handover + inprocess) / floor`` and ``shm_x_floor = (handover + shm) / floor``
 (the sync once the export exists; issue 18's goals on CPU: <= 1.2 and <= 2; likewise ``shm_buckets_x_floor``,
@@ -323,6 +326,15 @@ def bench_size(size: str, repeats: int, with_vllm: bool, device: str, compare_ol
         row["vllm_target"] = eng.weight_target
         row["vllm_s"] = time_it(lambda: eng.update_weights(w), repeats)
         row["vllm_payload_MB"] = eng.last_sync.nbytes / 2**20
+        # the same engine through vLLM's own weight-transfer API (NCCL on CUDA, our gloo engine on CPU)
+        from rollout_bridge.vllm_transfer import VllmWeightTransferTransport
+
+        inproc_transport, eng.transport = eng.transport, VllmWeightTransferTransport()
+        row["vllm_transfer_s"] = time_it(lambda: eng.update_weights(w), repeats)
+        row["vllm_transfer_backend"] = eng.transport.backend
+        row["vllm_transfer_GB_per_s"] = eng.last_sync.gb_per_s
+        eng.transport.close()
+        eng.transport = inproc_transport
         eng.close()
     if not cuda:
         row["floor_s"] = row["floor_1thread_s"]
@@ -373,7 +385,7 @@ COLS = [("size", "size"), ("payload_MB", "payload MB"), ("floor_s", "floor"), ("
         ("shm_s", "shm"), ("shm_x_floor", "shm x floor"),
         ("shm_buckets_s", "shm buckets"), ("shm_buckets_x_floor", "shm buckets x floor"),
         ("shm_unstreamed_s", "shm unstreamed"), ("shm_unstreamed_x_floor", "shm unstreamed x floor"),
-        ("dist_s", "dist"), ("dist_x_floor", "dist x floor"), ("dist_GB_per_s", "dist GB/s"), ("vllm_s", "vllm"),
+        ("dist_s", "dist"), ("dist_x_floor", "dist x floor"), ("dist_GB_per_s", "dist GB/s"), ("vllm_s", "vllm"), ("vllm_transfer_s", "vllm weight-transfer API"),
         ("other_load_cores", "other load (cores)")]
 
 

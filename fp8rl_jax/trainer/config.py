@@ -87,7 +87,8 @@ class TrainConfig:
       fp8_attention: also quantize queries with ``q_scale`` (FP8 attention; needs ``fp8_e4m3``).
       rollout_engine: ``"jax"`` (the embedded engine) or ``"vllm"`` (real vLLM via
         :func:`rollout_bridge.make_engine`, lazily imported; needs the ``[vllm]`` extra); ``vllm_transport``:
-        its weight-sync transport ``"inprocess"`` | ``"shm"`` | ``"dist"`` (docs/ROLLOUT_BRIDGE.md).
+        its weight-sync transport ``"inprocess"`` | ``"shm"`` | ``"dist"`` | ``"vllm"`` (vLLM's own weight-transfer
+        API: NCCL on CUDA, gloo on CPU) (docs/ROLLOUT_BRIDGE.md).
       verify_sync: content check of each weight sync (:mod:`fp8rl_jax.rollout.verify`): the engine scores a fixed
         probe and the trainer compares with its own logprobs (and, with an FP8 KV cache, reads back the k/v
         scales); a mismatch raises ``StaleWeightsError`` naming the likely tensor group before the step is logged
@@ -244,7 +245,7 @@ class TrainConfig:
                              f"{self.loss_scale_init!r}, {self.loss_scale_growth_interval!r}")
         choice("advantage_estimator", ADVANTAGE_ESTIMATORS)
         choice("rollout_engine", ("jax", "vllm"))
-        choice("vllm_transport", ("inprocess", "shm", "dist"))
+        choice("vllm_transport", ("inprocess", "shm", "dist", "vllm"))
         choice("verify_sync", VERIFY_SYNC_MODES)
         choice("mismatch_action", MISMATCH_ACTIONS)
         self._int_at_least("max_prompt_length", 1)
