@@ -114,7 +114,13 @@ def _engine_classes():
         def finish_weight_update(self) -> None:
             from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
-            finalize_layerwise_reload(self.model, self.model_config)
+            from rollout_bridge.vllm_worker import abort_layerwise_reload
+
+            try:
+                finalize_layerwise_reload(self.model, self.model_config)
+            except BaseException:
+                abort_layerwise_reload(self.model)
+                raise
 
         def shutdown(self) -> None:
             self.group = None
@@ -188,29 +194,61 @@ class VllmWeightTransferTransport(Transport):
     Args:
       backend: ``"nccl"`` (CUDA workers; vLLM's own engine on both sides), :data:`GLOO_BACKEND` (CPU) or None
         (:func:`default_backend`).
-      host: address the workers reach this process's ``TCPStore`` at (this node's IP for workers on other hosts).
+      host: address the workers reach this process's ``TCPStore`` at (set this node's IP when vLLM's workers run
+        on other hosts; the default only reaches workers on this one).
       port: store port (default: a free one).
-      bucket_bytes: gloo bucket size (``fp8rl_gloo``); the ``nccl`` backend uses vLLM's packed buffers.
+      bucket_bytes: gloo bucket size; for ``nccl`` the size of each of vLLM's two packed buffers on the trainer.
       timeout_s: group and RPC timeout (seconds).
-      workers_per_receiver: workers (TP x PP x DP ranks) behind each receiver.
+      workers_per_receiver: workers (TP x PP x DP ranks) behind each receiver; None: as many as answer the first
+        ``collective_rpc``.
 
     Raises:
       ValueError: unknown backend; ``"nccl"`` with more than one receiver (vLLM's trainer engine addresses one
-        engine's workers, at rank offset 1).
+        engine's workers, at rank offset 1); ``"nccl"`` with a worker on the trainer's own GPU (NCCL cannot put two
+        ranks of a group on one device: use the ``shm`` transport, CUDA IPC, there).
+
+    A failed sync (any error, or a timeout of an RPC) shuts the group down, asks every worker to undo a partial
+    layerwise reload and end vLLM's update session (``fp8rl_abort_external_load``, best effort) and raises
+    :class:`~rollout_bridge.transports.WeightSyncError`; the next sync forms a new group. With ``nccl`` a worker
+    that dies in the middle of a broadcast leaves the trainer blocked in NCCL (vLLM's engine has no timeout there).
     """
 
     name = "vllm"
 
     def __init__(self, backend: str | None = None, host: str = "127.0.0.1", port: int | None = None,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, timeout_s: float = 600.0, workers_per_receiver: int = 1):
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, timeout_s: float = 600.0,
+                 workers_per_receiver: int | None = None):
         backend = backend or default_backend()
         if backend not in BACKENDS:
             raise ValueError(f"unknown vLLM weight-transfer backend {backend!r}; expected one of {BACKENDS}")
         self.backend, self.host, self.port = backend, host, port
-        self.bucket_bytes, self.timeout_s, self.wpr = int(bucket_bytes), float(timeout_s), int(workers_per_receiver)
+        self.bucket_bytes, self.timeout_s = int(bucket_bytes), float(timeout_s)
+        self.wpr = None if workers_per_receiver is None else int(workers_per_receiver)
         self.group = None  # gloo: our rank-0 group; nccl: vLLM's trainer engine
         self._receivers: tuple = ()
         self._buf = None
+
+    def _ensure(self, receivers: Sequence[Receiver]) -> int:
+        """Create the workers' engines where vLLM did not; returns the workers per receiver."""
+        pend = [r.call("fp8rl_ensure_weight_transfer", self.backend) for r in receivers]
+        counts, devices = [], []
+        for r, p in zip(receivers, pend):
+            try:
+                got = p.result(timeout=self.timeout_s)
+            except Exception as e:  # noqa: BLE001
+                raise WeightSyncError(f"{r.name}: could not create vLLM's {self.backend!r} weight-transfer engine: "
+                                      f"{type(e).__name__}: {e}") from e
+            got = got if isinstance(got, (list, tuple)) else [got]  # collective_rpc: one answer per worker
+            counts.append(len(got))
+            devices += [g[1] for g in got if isinstance(g, (list, tuple)) and g[1]]
+        if self.backend == "nccl":
+            import torch
+
+            own = str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
+            if own in devices:
+                raise ValueError(f"a vLLM worker runs on the trainer's GPU ({own}); NCCL cannot connect two ranks on "
+                                 "one device: use transport='shm' (CUDA IPC) for colocated workers")
+        return self.wpr or max(counts)
 
     def connect(self, receivers: Sequence[Receiver]) -> None:
         """Create the workers' engines if vLLM did not, and form the transfer group (idempotent for one receiver
@@ -218,36 +256,36 @@ class VllmWeightTransferTransport(Transport):
 
         Raises:
           WeightSyncError: a worker failed to create or join within ``timeout_s``.
+          ValueError: see the class docstring.
         """
         if self.group is not None and tuple(receivers) == self._receivers:
             return
         if self.backend == "nccl" and len(receivers) != 1:
             raise ValueError(f"backend 'nccl' drives one vLLM engine (got {len(receivers)} receivers); use one "
                              "VllmWeightTransferTransport per engine")
-        client = _FanOutClient(receivers, self.timeout_s)
-        client._all("fp8rl_ensure_weight_transfer", self.backend)
+        wpr = self._ensure(receivers)
         port = self.port or free_port(self.host)
-        world = 1 + self.wpr * len(receivers)
+        world = 1 + wpr * len(receivers)
         try:
             if self.backend == "nccl":
                 from vllm.distributed.weight_transfer.nccl_engine import (NCCLTrainerInitInfo,
                                                                           NCCLTrainerWeightTransferEngine)
 
-                info = NCCLTrainerInitInfo(master_address=self.host, master_port=port, world_size=world, rank=0)
-                self.group = NCCLTrainerWeightTransferEngine.trainer_init(info, client=client,
-                                                                          source=_tensor_source({}))
+                info = NCCLTrainerInitInfo(master_address=self.host, master_port=port, world_size=world, rank=0,
+                                           packed_buffer_size_bytes=self.bucket_bytes)
+                self.group = NCCLTrainerWeightTransferEngine.trainer_init(
+                    info, client=_FanOutClient(receivers, self.timeout_s), source=_tensor_source({}))
             else:
                 pend = [r.call("init_weight_transfer_engine",
-                               {"master_address": self.host, "master_port": port, "rank_offset": 1 + i * self.wpr,
+                               {"master_address": self.host, "master_port": port, "rank_offset": 1 + i * wpr,
                                 "world_size": world, "timeout_s": self.timeout_s})
                         for i, r in enumerate(receivers)]
                 self.group = _make_group(self.host, port, world, 0, "gloo", self.timeout_s)
                 _wait_all(receivers, pend, "init_weight_transfer_engine", self.timeout_s, -1)
-        except WeightSyncError:
-            self.group = None
-            raise
         except Exception as e:  # noqa: BLE001
-            self.group = None
+            self._drop_group()
+            if isinstance(e, WeightSyncError):
+                raise
             raise WeightSyncError(f"vLLM weight-transfer group ({self.backend}, {self.host}:{port}, world {world}) "
                                   f"did not form: {type(e).__name__}: {e}") from e
         self._receivers = tuple(receivers)
@@ -257,30 +295,37 @@ class VllmWeightTransferTransport(Transport):
         the broadcast) / ``finish_weight_update`` on every worker, then KV scales and version.
 
         Raises:
+          ValueError: no tensors.
           WeightSyncError: a worker or the broadcast failed, or a call timed out; the workers report version
             ``-1`` until a later sync completes.
         """
+        if not tensors:
+            raise ValueError("nothing to sync: the export has no tensors")
         t0 = time.perf_counter()
         self.connect(receivers)
         timeout = float(timeout_s or self.timeout_s)
         client = _FanOutClient(receivers, timeout, version)
-        client._all("fp8rl_begin_external_load")
         nbuckets = 0
         try:
+            client._all("fp8rl_begin_external_load")
             if self.backend == "nccl":
-                self.group.source = _tensor_source(tensors)
+                self.group.client, self.group.source = client, _tensor_source(tensors)
                 self.group.send_weights()  # start, update (concurrent with vLLM's packed broadcast), finish
             else:
                 nbuckets = self._send_gloo(tensors, client, version)
-        except WeightSyncError:
-            self.group = None
-            raise
+            pend = [r.call("fp8rl_end_external_load", kv_scales, version) for r in receivers]
+            _wait_all(receivers, pend, "load (vLLM weight transfer)", timeout, version)  # checks reported versions
         except Exception as e:  # noqa: BLE001
-            self.group = None  # a broken group is never reused
+            self._drop_group()  # a broken group is never reused
+            for r in receivers:  # best effort: undo a partial reload, end vLLM's update session
+                try:
+                    r.call("fp8rl_abort_external_load").result(timeout=min(timeout, 60.0))
+                except Exception:  # noqa: BLE001 - the original error is what the caller needs
+                    pass
+            if isinstance(e, WeightSyncError):
+                raise
             raise WeightSyncError(f"vLLM weight transfer of v{version} failed ({self.backend}): "
                                   f"{type(e).__name__}: {e}") from e
-        pend = [r.call("fp8rl_end_external_load", kv_scales, version) for r in receivers]
-        _wait_all(receivers, pend, "load (vLLM weight transfer)", timeout, version)  # checks each reported version
         return SyncStats(self.name, _payload_bytes(tensors), time.perf_counter() - t0, nbuckets)
 
     def _send_gloo(self, tensors: dict, client: _FanOutClient, version: int) -> int:
@@ -300,10 +345,19 @@ class VllmWeightTransferTransport(Transport):
         client.finish_weight_update()
         return len(sizes)
 
+    def _drop_group(self) -> None:
+        group, self.group, self._receivers = self.group, None, ()
+        shutdown = getattr(group, "shutdown", None)  # vLLM's trainer engine destroys its NCCL communicator
+        if shutdown is not None:
+            try:
+                shutdown()
+            except Exception:  # noqa: BLE001 - teardown of a group that already failed
+                pass
+
     def close(self) -> None:
-        """Drop the group (the workers keep their engines; the next sync forms a new group) and the buffer."""
-        self.group = None
-        self._receivers = ()
+        """Shut the group down (the workers keep their engines; the next sync forms a new group) and free the
+        bucket buffer."""
+        self._drop_group()
         self._buf = None
 
 

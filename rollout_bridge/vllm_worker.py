@@ -28,6 +28,11 @@ try:  # vLLM imports this module in every worker (worker_extension_cls): our CPU
     register_gloo_backend()
 except ImportError:  # no vLLM, or one without vllm.distributed.weight_transfer: the other transports still work
     pass
+except Exception as _e:  # noqa: BLE001 - a vLLM whose weight-transfer API differs must not break the other transports
+    import warnings
+
+    warnings.warn(f"fp8rl: could not register the fp8rl_gloo weight-transfer engine in vLLM ({type(_e).__name__}: "
+                  f"{_e}); transport='vllm' is unavailable on CPU, the other transports work", stacklevel=1)
 
 _ATTN_RE = re.compile(r"^model\.layers\.(\d+)\.self_attn\.attn$")
 
@@ -151,9 +156,13 @@ class WeightSyncExtension(WeightReceiverMixin):
                 set_kv_scales(self._fp8rl_model(), kv_scales)
 
     # -- vLLM's weight-transfer API (rollout_bridge.vllm_transfer) -------------------------------------------
-    def fp8rl_ensure_weight_transfer(self, backend: str) -> str:
+    def fp8rl_ensure_weight_transfer(self, backend: str) -> tuple:
         """Create this worker's vLLM weight-transfer engine for ``backend`` if vLLM was started without
-        ``weight_transfer_config`` (vLLM creates it in ``load_model`` otherwise). Returns the backend.
+        ``weight_transfer_config`` (vLLM creates it in ``load_model`` otherwise).
+
+        Returns:
+          ``(backend, device UUID)`` (UUID of this worker's CUDA device, None on CPU: the trainer refuses NCCL with a
+          worker on its own GPU).
 
         Raises:
           ValueError: the worker already has an engine of another backend, or ``backend`` is not registered.
@@ -168,10 +177,27 @@ class WeightSyncExtension(WeightReceiverMixin):
         elif eng.config.backend != backend:
             raise ValueError(f"this vLLM worker's weight transfer engine is {eng.config.backend!r}, the trainer "
                              f"asks for {backend!r} (set weight_transfer_config to match)")
-        return backend
+        uuid = None
+        if getattr(self.device, "type", None) == "cuda":
+            import torch
+
+            uuid = str(torch.cuda.get_device_properties(self.device).uuid)
+        return backend, uuid
 
     def fp8rl_begin_external_load(self) -> int:
         """Mark the weights inconsistent (version ``-1``) before vLLM's ``start_weight_update``."""
+        self._fp8rl_version = -1
+        return -1
+
+    def fp8rl_abort_external_load(self) -> int:
+        """After a failed update: undo a partial layerwise reload (:func:`abort_layerwise_reload`) and end vLLM's
+        update session (its ``finish_weight_update`` would finalize the half-loaded layers), so the next
+        ``start_weight_update`` starts clean. The weights stay marked inconsistent (``-1``, returned)."""
+        abort_layerwise_reload(self._fp8rl_model())
+        self._weight_update_active = False
+        eng = getattr(self, "weight_transfer_engine", None)
+        if eng is not None:
+            eng.reset_weight_update_target()
         self._fp8rl_version = -1
         return -1
 

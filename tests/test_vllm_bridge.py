@@ -228,6 +228,7 @@ def test_vllm_weight_transfer_api_lands_and_fails_loud(trainer):
             transport.send(tensors, {}, 113, [eng.receiver], timeout_s=60)
         assert time.perf_counter() - t0 < 30  # the worker drained the buckets: no wait for the group timeout
         assert eng.worker_versions() == [-1]
+        assert eng.llm.collective_rpc(lambda worker: worker._weight_update_active) == [False]  # session ended
 
         w = _perturbed(trainer, 114, 114)
         eng.update_weights(w)  # a new group forms; vLLM's worker accepts a new update after the failed one
