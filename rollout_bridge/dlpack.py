@@ -61,6 +61,9 @@ def jax_to_torch(x: jax.Array):
         return torch.from_numpy(np.ascontiguousarray(x))
     if not isinstance(x, jax.Array):
         raise TypeError(f"jax_to_torch expects a jax.Array or numpy array, got {type(x).__name__}")
+    from_capsule = getattr(torch._C, "_from_dlpack", None)
+    if from_capsule is not None and x.platform() == "cpu":  # host memory: no stream to order against
+        return from_capsule(x.__dlpack__())  # ~2x faster than torch.from_dlpack's protocol negotiation
     return torch.from_dlpack(x)
 
 

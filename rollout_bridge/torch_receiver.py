@@ -60,7 +60,7 @@ class TorchParamsReceiver(WeightReceiverMixin):
     (:class:`~rollout_bridge.transports.WeightReceiverMixin`), so a failed sync is never mistaken for a complete one.
     """
 
-    _BATCH = 64  # tensors per copy_many call: several per thread, while a streamed bucket's views are alive
+    _BATCH = 64  # tensors per copy_many call from a stream (while a bucket's views are alive); a list: one call
     _fp8rl_ring_reader = True  # copies a shared-memory ring stream straight into its tensors (ShmRingStream)
 
     def __init__(self, params: Mapping[str, Any] | None = None, *, allocate: bool = True, device=None,
@@ -70,6 +70,9 @@ class TorchParamsReceiver(WeightReceiverMixin):
         self.allocate = bool(allocate)
         self.device = device
         self.kv_scales: dict[int, dict[str, float]] = {}
+        # name -> (tensor, data_ptr, flat uint8 view: numpy on CPU, torch elsewhere), rebuilt when params[name]
+        # is another object or was moved
+        self._dst_bytes: dict[str, tuple] = {}
         for name, t in self.params.items():
             if not t.is_contiguous():
                 raise ValueError(f"preallocated tensor {name} is not contiguous; the receiver writes it in place "
@@ -100,16 +103,33 @@ class TorchParamsReceiver(WeightReceiverMixin):
                 self.kv_scales = {int(k): {kk: float(vv) for kk, vv in v.items()}
                                   for k, v in (kv_scales or {}).items()}
                 return
+        batch = None if isinstance(named, (list, tuple)) else self._BATCH  # a list's tensors are all alive
         on_cuda, pairs, held = False, [], []
+        params, cache = self.params, self._dst_bytes
         for name, t in named:  # a stream (shm, broadcast) yields a bucket's tensors once the bucket has landed
-            dst = self._destination(name, t)
-            pairs.append((_as_bytes(dst), _as_bytes(t)))
+            dst, c = params.get(name), cache.get(name)
+            if c is None or c[0] is not dst or c[1] != dst.data_ptr() or dst.shape != t.shape or dst.dtype != t.dtype:
+                c = self._dst_view(name, t)
+            if c[0].is_cpu and t.is_cpu:
+                pairs.append((c[2], _as_bytes(t).numpy()))
+            else:
+                on_cuda = on_cuda or c[0].is_cuda or t.is_cuda
+                pairs.append((c[2], _as_bytes(t)))
             held.append(t)
-            on_cuda = on_cuda or dst.is_cuda or t.is_cuda
-            if len(pairs) >= self._BATCH:
+            if batch is not None and len(pairs) >= batch:
                 copy_many(pairs, self.copy_threads)
                 pairs, held = [], []
         copy_many(pairs, self.copy_threads)
         if on_cuda:  # the device copies were queued non-blocking: the version is recorded after they land
             torch.cuda.synchronize()
         self.kv_scales = {int(k): {kk: float(vv) for kk, vv in v.items()} for k, v in (kv_scales or {}).items()}
+
+    def _dst_view(self, name: str, t) -> tuple:
+        """Check (or allocate) ``name``'s destination for ``t`` and cache its byte view (see ``_dst_bytes``)."""
+        dst = self._destination(name, t)
+        if not dst.is_contiguous():
+            raise ValueError(f"preallocated tensor {name} is not contiguous; the receiver writes it in place "
+                             "as one flat buffer")
+        flat = _as_bytes(dst)
+        c = self._dst_bytes[name] = (dst, dst.data_ptr(), flat.numpy() if dst.is_cpu else flat)
+        return c

@@ -21,7 +21,7 @@ def _bytes(t) -> np.ndarray:
 
 
 def _tensors(seed: int) -> dict:
-    """Sizes on both sides of copy_many's 8 MiB split (odd lengths: pieces of unequal size), three dtypes."""
+    """Sizes on both sides of copy_many's 512 KiB pieces (odd lengths: a short last piece), three dtypes."""
     g = torch.Generator().manual_seed(seed)
     return {
         "model.embed_tokens.weight": torch.randn(2051, 2049, generator=g).to(torch.bfloat16),  # 8.4 MB: split
@@ -43,6 +43,20 @@ def test_copy_many_copies_every_byte(threads):
         assert np.array_equal(d.numpy(), s.numpy())
     with pytest.raises(ValueError, match="copy pair 0: destination has 3 bytes, source 4"):
         copy_many([(torch.zeros(3, dtype=torch.uint8), torch.zeros(4, dtype=torch.uint8))])
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_copy_many_takes_numpy_and_torch_pairs_together(threads):
+    rng = np.random.default_rng(threads)
+    lengths = [0, 1, (512 << 10) - 1, 512 << 10, (512 << 10) + 1, (3 << 20) + 7]
+    src = [rng.integers(0, 256, n, dtype=np.uint8) for n in lengths]
+    want = [x.copy() for x in src]  # the reference: the source bytes, copied before the call
+    dst = [np.zeros(n, np.uint8) if i % 2 else torch.zeros(n, dtype=torch.uint8) for i, n in enumerate(lengths)]
+    copy_many([(d, s if i % 2 else torch.from_numpy(s)) for i, (d, s) in enumerate(zip(dst, src))], threads)
+    for d, w in zip(dst, want):
+        assert np.array_equal(np.asarray(d), w)
+    with pytest.raises(ValueError, match="copy pair 1: destination has 5 bytes, source 6"):
+        copy_many([(np.zeros(1, np.uint8), np.ones(1, np.uint8)), (np.zeros(5, np.uint8), np.zeros(6, np.uint8))])
 
 
 def _transport(kind: str):
@@ -245,6 +259,64 @@ def test_receiver_allocates_on_first_sync_and_names_mismatches():
 
     with pytest.raises(ValueError, match="x is not contiguous"):
         TorchParamsReceiver({"x": torch.zeros(4, 6).t()})
+
+
+def test_receiver_follows_replaced_tensors_and_writes_scalars():
+    """The receiver caches its destinations' byte views: a tensor replaced (or moved) between syncs is the one
+    written, a non-contiguous replacement is refused by name; 0-d and non-contiguous sources are copied exactly."""
+    ts = _tensors(2)
+    ts["model.layers.0.self_attn.k_scale_like"] = torch.tensor(0.375)  # 0-d float32
+    ts["model.layers.0.mlp.gate_proj.weight"] = torch.randn(6, 10).to(torch.bfloat16).t()  # non-contiguous
+    want = {k: _bytes(v).copy() for k, v in ts.items()}  # reference: the sender's bytes
+    rec = TorchParamsReceiver(copy_threads=2)
+    rec.fp8rl_load_tensors(list(ts.items()), {}, 1)
+    assert all(np.array_equal(_bytes(rec.params[k]), want[k]) for k in ts)
+    assert rec.params["model.layers.0.self_attn.k_scale_like"].shape == ()
+
+    name = "model.layers.0.self_attn.q_proj.weight"
+    old = rec.params[name]
+    new = rec.params[name] = torch.zeros_like(old)
+    old.zero_()
+    rec.fp8rl_load_tensors(list(ts.items()), {}, 2)
+    assert rec.params[name] is new and np.array_equal(_bytes(new), want[name])
+    assert not _bytes(old).any()  # the replaced tensor is no longer written
+    new.set_(torch.zeros_like(new).untyped_storage(), 0, new.shape)  # same object, moved to other memory
+    rec.fp8rl_load_tensors(list(ts.items()), {}, 3)
+    assert np.array_equal(_bytes(new), want[name]) and rec.fp8rl_weights_version() == 3
+
+    rec.params["model.norm.weight"] = torch.zeros(77, 2, dtype=torch.bfloat16)[:, 0]
+    with pytest.raises(ValueError, match="model.norm.weight is not contiguous"):
+        rec.fp8rl_load_tensors(list(ts.items()), {}, 4)
+    assert rec.fp8rl_weights_version() == -1
+
+
+def test_handover_views_alias_the_jax_buffers_for_every_dtype():
+    """torch_sync_tensors / jax_to_torch on CPU: each view has the array's shape and dtype and aliases its bytes
+    (reference: numpy's bytes of the JAX array), 0-d scalars included."""
+    import jax.numpy as jnp
+
+    from fp8rl_jax.rollout.types import ExportedWeights
+    from rollout_bridge.dlpack import jax_to_torch, torch_sync_tensors
+
+    rng = np.random.default_rng(0)
+    arrays = {
+        "model.embed_tokens.weight": jnp.asarray(rng.standard_normal((33, 17)), jnp.bfloat16),
+        "model.layers.0.mlp.up_proj.weight": jnp.asarray(rng.standard_normal((40, 24)), jnp.float8_e4m3fn),
+        "model.layers.0.mlp.up_proj.weight_scale_inv": jnp.asarray(rng.random((1, 1)), jnp.float32),
+        "model.layers.0.input_layernorm.bias_like": jnp.asarray(1.25, jnp.float32),  # 0-d
+        "model.layers.1.self_attn.k_scale": jnp.asarray(0.5, jnp.float32),  # a KV scale: split off
+    }
+    for x in arrays.values():
+        t = jax_to_torch(x)
+        assert tuple(t.shape) == x.shape and str(t.dtype).removeprefix("torch.") == str(x.dtype)
+        assert np.array_equal(_bytes(t), np.asarray(x).reshape(-1).view(np.uint8))
+        assert t.data_ptr() == x.unsafe_buffer_pointer()  # a view, not a copy
+    w = ExportedWeights(tensors=arrays, format="fp8_blockwise", block_size=128, version=1, metadata={})
+    got, kv = torch_sync_tensors(w, "native")
+    assert kv == {1: {"k_scale": 0.5}} and "model.layers.1.self_attn.k_scale" not in got
+    assert list(got)[0] == "model.embed_tokens.weight"
+    for k, t in got.items():
+        assert np.array_equal(_bytes(t), np.asarray(arrays[k]).reshape(-1).view(np.uint8)), k
 
 
 def test_tp_rank_views_feed_the_receiver_without_copies():
