@@ -27,8 +27,9 @@ random weights) the script holds float32 master params in an NNX model, as the t
   ``torch`` device copy; CPU: one ``numpy.copyto`` on one thread, the memcpy floor, which glibc does with
   non-temporal stores at this size) and ``floor_threads``: the same bytes split over
   :func:`rollout_bridge.transports.copy_many`'s threads (CPU; with two threads each half is still large enough
-  for non-temporal stores, so this is the host's copy bandwidth, which per-tensor copies of 0.3-3 MiB, made
-  with ordinary stores, cannot reach), and ``tensor_copy``: the same bytes copied
+  for non-temporal stores, so this is the host's copy bandwidth; whole 0.3-3 MiB tensors are copied with
+  ordinary stores, below it, which is why ``copy_many`` cuts every copy into 512 KiB ``rep movsb`` pieces that
+  its threads take in turn), and ``tensor_copy``: the same bytes copied
   tensor by tensor with a dtype-typed ``torch`` ``copy_`` (what vLLM's weight loaders do with each tensor; on
   CPU about half of ``memcpy``'s bandwidth on one thread);
 * ``vllm`` (with ``--vllm``, 135m only on CPU): ``VllmRolloutEngine.update_weights`` into a real in-process vLLM

