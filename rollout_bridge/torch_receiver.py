@@ -26,6 +26,12 @@ from typing import Any, Mapping
 from rollout_bridge.transports import WeightReceiverMixin, _as_bytes, copy_many
 
 
+def _require_contiguous(name: str, t) -> None:
+    if not t.is_contiguous():
+        raise ValueError(f"preallocated tensor {name} is not contiguous; the receiver writes it in place as one flat "
+                         "buffer")
+
+
 class _Spec:
     """Shape, dtype and device of a tensor announced by a ring stream (what :meth:`TorchParamsReceiver._destination`
     checks and allocates from)."""
@@ -74,9 +80,7 @@ class TorchParamsReceiver(WeightReceiverMixin):
         # is another object or was moved
         self._dst_bytes: dict[str, tuple] = {}
         for name, t in self.params.items():
-            if not t.is_contiguous():
-                raise ValueError(f"preallocated tensor {name} is not contiguous; the receiver writes it in place "
-                                 "as one flat buffer")
+            _require_contiguous(name, t)
 
     def _destination(self, name: str, t):
         import torch
@@ -128,9 +132,7 @@ class TorchParamsReceiver(WeightReceiverMixin):
     def _dst_view(self, name: str, t) -> tuple:
         """Check (or allocate) ``name``'s destination for ``t`` and cache its byte view (see ``_dst_bytes``)."""
         dst = self._destination(name, t)
-        if not dst.is_contiguous():
-            raise ValueError(f"preallocated tensor {name} is not contiguous; the receiver writes it in place "
-                             "as one flat buffer")
+        _require_contiguous(name, dst)
         flat = _as_bytes(dst)
         c = self._dst_bytes[name] = (dst, dst.data_ptr(), flat.numpy() if dst.is_cpu else flat)
         return c

@@ -654,6 +654,32 @@ def _broadcast(group, tensor) -> None:
     group.broadcast([tensor], opts).wait()
 
 
+def broadcast_streamed(group, tensors: dict[str, Any], entries: Sequence[TensorEntry], sizes: Sequence[int],
+                       buf=None, device: str = "cpu"):
+    """Broadcast the buckets of :func:`plan_buckets` from rank 0 one at a time through one reused buffer: each
+    bucket is filled, then broadcast, and the broadcast completes before the next fill (the receivers take them
+    with :class:`BucketStream`).
+
+    Args:
+      group: a stateless group from :func:`_make_group` (rank 0 = this process).
+      tensors, entries, sizes: the payload and its bucket plan.
+      buf: the uint8 buffer of the previous call (reused when it holds the largest bucket), or None.
+      device: where a new buffer is allocated (``"cpu"`` for gloo, ``"cuda"`` for NCCL).
+
+    Returns:
+      the buffer used (pass it to the next call).
+    """
+    import torch
+
+    if buf is None or buf.numel() < max(sizes):
+        buf = torch.empty(max(sizes), dtype=torch.uint8, device=device)
+    for k, (n, members) in enumerate(zip(sizes, entries_by_bucket(entries, len(sizes)))):
+        view = buf[:n]
+        fill_buckets({k: view}, tensors, members)
+        _broadcast(group, view)
+    return buf
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # sender side
 # ---------------------------------------------------------------------------------------------------------------
@@ -1148,15 +1174,9 @@ class TorchDistributedTransport(Transport):
         pend = [r.call("fp8rl_load_broadcast", meta, kv_scales, version) for r in receivers]
         device = "cuda" if self.backend == "nccl" else "cpu"
         try:
-            if stream:  # one buffer, refilled per bucket (each broadcast completes before the next fill)
+            if stream:
                 self._buckets = None
-                if self._stream_buf is None or self._stream_buf.numel() < max(sizes):
-                    self._stream_buf = torch.empty(max(sizes), dtype=torch.uint8, device=device)
-                by_bucket = entries_by_bucket(entries, len(sizes))
-                for k, n in enumerate(sizes):
-                    view = self._stream_buf[:n]
-                    fill_buckets({k: view}, tensors, by_bucket[k])
-                    _broadcast(self.group, view)
+                self._stream_buf = broadcast_streamed(self.group, tensors, entries, sizes, self._stream_buf, device)
             else:
                 self._stream_buf = None
                 if self._buckets is None or [b.numel() for b in self._buckets] != sizes:
@@ -1203,6 +1223,7 @@ def order_by_layer(names: Iterable[str]) -> list[str]:
     return sorted(names, key=key)
 
 
-__all__ = ["WeightSyncError", "TensorEntry", "plan_buckets", "fill_buckets", "unpack_buckets", "WeightReceiverMixin",
-           "Receiver", "ThreadReceiver", "Transport", "InProcessTransport", "SharedMemoryTransport",
-           "ShmBucketStream", "ShmRingStream", "ring_pieces", "TorchDistributedTransport", "SyncStats", "make_transport", "free_port", "order_by_layer", "TRANSPORTS"]
+__all__ = ["WeightSyncError", "TensorEntry", "plan_buckets", "fill_buckets", "broadcast_streamed", "unpack_buckets",
+           "WeightReceiverMixin", "Receiver", "ThreadReceiver", "Transport", "InProcessTransport",
+           "SharedMemoryTransport", "ShmBucketStream", "ShmRingStream", "ring_pieces", "TorchDistributedTransport",
+           "SyncStats", "make_transport", "free_port", "order_by_layer", "TRANSPORTS"]

@@ -211,8 +211,9 @@ class VllmRolloutEngine:
             os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")
             kw.update(enable_return_routed_experts=True, enable_prefix_caching=True)
         if self.transport.name == "vllm":  # vLLM creates the worker-side engine in load_model
-            import rollout_bridge.vllm_worker  # noqa: F401  (registers the fp8rl_gloo backend in this process too)
+            from rollout_bridge.vllm_transfer import register_gloo_backend
 
+            register_gloo_backend()  # in this process too (an in-process engine core creates it here)
             kw["weight_transfer_config"] = {"backend": self.transport.backend}
         kw.update(llm_kwargs)
         self.llm = vllm.LLM(**kw)

@@ -30,8 +30,8 @@ import time
 from typing import Sequence
 
 from rollout_bridge.transports import (DEFAULT_BUCKET_BYTES, BucketStream, Receiver, SyncStats, TensorEntry, Transport,
-                                       WeightSyncError, _broadcast, _make_group, _payload_bytes, _wait_all,
-                                       entries_by_bucket, fill_buckets, free_port, plan_buckets)
+                                       WeightSyncError, _make_group, _payload_bytes, _wait_all, broadcast_streamed,
+                                       free_port, plan_buckets)
 
 GLOO_BACKEND = "fp8rl_gloo"
 BACKENDS = ("nccl", GLOO_BACKEND)
@@ -329,18 +329,11 @@ class VllmWeightTransferTransport(Transport):
         return SyncStats(self.name, _payload_bytes(tensors), time.perf_counter() - t0, nbuckets)
 
     def _send_gloo(self, tensors: dict, client: _FanOutClient, version: int) -> int:
-        import torch
-
         entries, sizes = plan_buckets(tensors, self.bucket_bytes)
         info = {"entries": [list(dataclasses.astuple(e)) for e in entries], "sizes": sizes}
         client.start_weight_update()
         pend = [r.call("update_weights", info) for r in client.receivers]
-        if self._buf is None or self._buf.numel() < max(sizes):
-            self._buf = torch.empty(max(sizes), dtype=torch.uint8)
-        for k, (n, members) in enumerate(zip(sizes, entries_by_bucket(entries, len(sizes)))):
-            view = self._buf[:n]  # one buffer, refilled per bucket: each broadcast completes before the next fill
-            fill_buckets({k: view}, tensors, members)
-            _broadcast(self.group, view)
+        self._buf = broadcast_streamed(self.group, tensors, entries, sizes, self._buf)
         _wait_all(client.receivers, pend, "update_weights", client.timeout_s, version)
         client.finish_weight_update()
         return len(sizes)

