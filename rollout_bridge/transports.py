@@ -137,10 +137,11 @@ def copy_many(pairs: Sequence[tuple[Any, Any]], threads: int | None = None) -> N
 
     A pair is two torch tensors, or (host memory) two numpy arrays. Host copies are cut into pieces of at most
     512 KiB that ``threads`` threads (default :func:`default_copy_threads`, the calling thread one of them;
-    ``numpy.copyto`` releases the GIL) take in turn: glibc copies such a piece with ``rep movsb``, which on a
-    2-core AMD EPYC (glibc 2.36) runs ~1.2x faster than the ordinary-store loop it uses for 1-288 MiB copies and
-    as fast as the non-temporal stores of larger ones. A copy of at least ``threads`` x 256 MiB is instead cut
-    into one part per thread, each still copied with non-temporal stores (~1.15x faster there). On GPU the pairs
+    ``numpy.copyto`` releases the GIL) take in turn: glibc 2.36 copies such a piece with ``rep movsb``, faster on
+    a 2-core AMD EPYC than the ordinary-store loop it uses for 1-288 MiB copies (in-process sync 1.07x the
+    memcpy floor against 1.36-1.48x with whole-tensor copies, ``benchmarks/bench_weight_sync.py``). A copy of
+    at least ``threads`` x 256 MiB is instead cut into one part per thread, each large enough for glibc's
+    non-temporal stores. On GPU the pairs
     go to ``torch._foreach_copy_`` (multi-tensor apply: a few launches for hundreds of tensors; non-blocking:
     synchronize before reading ``dst`` from another stream or process).
 
