@@ -124,12 +124,9 @@ def _export(params: dict, fmt: str, block_size: int, ue8m0: bool, unquantized: t
     without ``check``. Linears are quantized one call per weight (``stack=False``, no stack/slice copies; see
     :func:`fp8rl_jax.fp8.quantize_weights_batched`), each fused group (``fused``) by one
     :func:`~fp8rl_jax.fp8.pallas_quant.quantize_weights_fused` call that writes the fused buffers directly; their
-    finiteness comes from the quantized output (or from the scales where the quantizer propagates NaN into them,
-    the GPU Pallas kernel), dense tensors' (a fused group's biases: concatenated) from an ``isfinite`` reduction
+    finiteness comes from the quantized output and the scales (the GPU Pallas kernel propagates NaN into the scales), dense tensors' (a fused group's biases: concatenated) from an ``isfinite`` reduction
     fused with their cast. ``keep_stacks``: expert stacks leave as stacks (one tensor, one flag each).
     """
-    from fp8rl_jax.fp8.pallas_quant import gpu_lowering_available
-
     out, bad = {}, []
     dense = jnp.float32 if fmt == "float32" else jnp.bfloat16
     quantized = {}
@@ -154,14 +151,15 @@ def _export(params: dict, fmt: str, block_size: int, ue8m0: bool, unquantized: t
         params = split_expert_stacks(params)  # dense expert stacks (bf16/float32 export): per-expert slices
     if fused:  # the groups' other tensors (Qwen2 biases) are concatenated under the fused names, then cast
         params = fuse_tensors({k: v for k, v in params.items() if k not in in_group}, fused)
-    scale_has_nan = gpu_lowering_available()  # the Pallas GPU kernel maps NaN to inf before its block max
     for name in sorted(set(params) | set(quantized)):
         w = params.get(name)
         if name in quantized:
             q, s = quantized[name]
             out[name], out[name + "_scale_inv"] = q, s
             if check:
-                bad.append(~jnp.all(jnp.isfinite(s)) if scale_has_nan else _nan_code_present(q))
+                # jnp path: a NaN/inf input leaves a NaN code; the Pallas kernel (lowered for CUDA) maps NaN to inf
+                # before its block max (a non-finite scale) and may clamp NaN values: either flag is enough
+                bad.append(_nan_code_present(q) | ~jnp.all(jnp.isfinite(s)))
         else:
             out[name] = w.astype(dense)
             if check:

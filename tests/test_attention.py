@@ -17,6 +17,8 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+
+from fp8rl_jax.gpu_target import lowering_for_h100
 from flax import nnx
 
 from fp8rl_jax.models.config import ModelConfig
@@ -195,16 +197,16 @@ def test_fully_masked_row_is_uniform_average():
 
 
 def test_attention_implementation_choice_and_named_errors(monkeypatch):
-    """``"auto"`` picks cuDNN flash attention exactly where cuDNN can run the call (cache-less, bf16/fp16, head dim a
-    multiple of 8 within the limit, even lengths, a CUDA GPU with cuDNN) and XLA elsewhere; bad settings and an
-    impossible ``"cudnn"`` are refused by name. The GPU itself: test_cudnn_attention_on_gpu_matches_float64."""
+    """``"auto"`` stages cuDNN flash attention exactly where cuDNN can run the call (cache-less, bf16/fp16, head dim a
+    multiple of 8 within the limit, even lengths) and XLA elsewhere; where it runs is decided when the program is
+    lowered (cuDNN for CUDA, XLA for any other platform: test_cache_less_attention_lowers_to_cudnn_for_cuda_only).
+    Bad settings and an impossible ``"cudnn"`` are refused by name. The GPU itself:
+    test_cudnn_attention_on_gpu_matches_float64."""
     from fp8rl_jax.models import attention_impl as ai
 
-    if not ai.cudnn_attention_available():  # this machine: XLA everywhere, "cudnn" refused with the reason
-        assert ai.resolve_attention_implementation("auto", jnp.bfloat16, 128, 512, 512, False) is None
+    if not ai.cudnn_attention_available():  # this machine: "cudnn" forced is refused with the reason
         with pytest.raises(ValueError, match="no CUDA GPU with cuDNN"):
             ai.resolve_attention_implementation("cudnn", jnp.bfloat16, 128, 512, 512, False)
-    monkeypatch.setattr(ai, "cudnn_attention_available", lambda: True)
     monkeypatch.setattr(ai, "_max_head_dim", lambda: 128)
     pick = ai.resolve_attention_implementation
     assert pick("auto", jnp.bfloat16, 128, 512, 512, False) == "cudnn"
@@ -220,6 +222,35 @@ def test_attention_implementation_choice_and_named_errors(monkeypatch):
         pick("cudnn", jnp.bfloat16, 100, 512, 512, False)
     with pytest.raises(ValueError, match="attention_implementation must be one of"):
         pick("flash", jnp.bfloat16, 128, 512, 512, False)
+    monkeypatch.setattr(ai, "cudnn_loadable", lambda: True)
+    with lowering_for_h100():  # compiling for an abstract H100 with cuDNN installed: "cudnn" is allowed
+        assert pick("cudnn", jnp.bfloat16, 128, 512, 512, False) == "cudnn"
+
+
+@pytest.mark.parametrize("setting", ["auto", "xla"])
+def test_cache_less_attention_lowers_to_cudnn_for_cuda_only(setting):
+    """Issue 28 (1): one bf16 cache-less attention forward, lowered for CUDA and for the CPU in this CPU-only process:
+    ``"auto"`` puts cuDNN's fused attention custom call in the CUDA program only (the CPU program is XLA's, so a
+    CPU-placed computation on a GPU host works); ``"xla"`` never asks for cuDNN. Where this install has no cuDNN
+    (the CPU venv: JAX's cuDNN attention cannot even be traced) every program is XLA's; the deviceless sm_90a
+    compile (scripts/compile_h100.py, the CUDA venv) shows the cuDNN call in the compiled train step."""
+    from fp8rl_jax.models.attention_impl import cudnn_loadable
+
+    cfg = ModelConfig(model_type="qwen3", vocab_size=64, hidden_size=256, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=64, rope_theta=10000.0, qk_norm=True)
+    m = _attn(cfg, jnp.bfloat16)
+    m.attention_implementation = setting
+    b, s = 2, 64
+    x, mask = _inputs(cfg, b, s, pads=(0, 5), dtype=jnp.bfloat16)
+    pos = np.asarray(positions_from_mask(jnp.asarray(mask)))
+    q_slots = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+    args = (jnp.asarray(pos), rope_inv_freq(cfg), jnp.asarray(mask), q_slots)
+    f = jax.jit(lambda x: m(x, *args)[0])
+    cpu = f.trace(x).lower(lowering_platforms=("cpu",)).as_text()
+    with lowering_for_h100():
+        cuda = f.trace(x).lower(lowering_platforms=("cuda",)).as_text()
+    assert "cudnn" not in cpu.lower()
+    assert ("__cudnn$fmha" in cuda) == (setting == "auto" and cudnn_loadable())
 
 
 @pytest.mark.gpu
@@ -278,7 +309,7 @@ def test_large_gpu_fallback_to_xla_attention_is_warned_once(monkeypatch):
 
     from fp8rl_jax.models import attention_impl as ai
 
-    monkeypatch.setattr(ai, "cudnn_attention_available", lambda: True)
+    monkeypatch.setattr(ai, "cudnn_attention_available", lambda: True)  # a GPU host
     monkeypatch.setattr(ai, "_max_head_dim", lambda: 128)
     ai._warn_fallback.cache_clear()
     with pytest.warns(UserWarning, match=r"materialises \[B, H, 8191, 8191\] scores: cuDNN needs even"):

@@ -166,3 +166,44 @@ def test_sampling_noise_is_keyed_by_row_so_split_batches_sample_the_same(model):
     np.testing.assert_array_equal(rb.response_token_ids, whole.response_token_ids)
     with pytest.raises(ValueError, match="row_offset"):
         eng.generate(prompts, sp, row_offset=-1)
+
+
+def test_float64_forward_scores_the_engine_and_catches_a_wrong_scale():
+    """The reference of the GPU engine test (test_fp8_gpu.py::test_engine_on_gpu_scores_like_a_float64_forward), on the
+    CPU: a float64 numpy forward of the served tensors (tests/numpy_decoder_ref.py, no project code) equals the float32
+    engine's teacher-forced logprobs to 1e-4; with the logits far from uniform (final norm x8: logprobs -11 +- 3), the
+    FP8 engine is within 0.3 nats of it on average, and the same engine with one doubled ``weight_scale_inv`` is more
+    than 3x further away: the comparison sees a wrong scale, which near-uniform logits (every logprob ~ -ln(vocab))
+    hide."""
+    from numpy_decoder_ref import logprobs64
+
+    from fp8rl_jax.export import export_weights
+    from fp8rl_jax.models.config import ModelConfig
+    from fp8rl_jax.models.decoder import named_params
+    from fp8rl_jax.models.loading import build_model
+    from fp8rl_jax.rollout.engine import ENGINE_PRECISIONS, JaxRolloutEngine
+
+    cfg = ModelConfig(model_type="qwen3", vocab_size=512, hidden_size=256, intermediate_size=384, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=512,
+                      rope_theta=1e6, tie_word_embeddings=True, eos_token_id=5, pad_token_id=0, qk_norm=True)
+    params = {k: np.asarray(v) for k, v in named_params(build_model(cfg, seed=0)).items()}
+    params["model.norm.weight"] = params["model.norm.weight"] * 8
+    rng = np.random.default_rng(0)
+    prompts = [list(map(int, rng.integers(6, 512, 24))), list(map(int, rng.integers(6, 512, 9)))]
+    conts = [list(map(int, rng.integers(6, 512, 8))), list(map(int, rng.integers(6, 512, 5)))]
+
+    def error(precision, served=None):
+        w = export_weights(params, ENGINE_PRECISIONS[precision][2])
+        ref = np.concatenate([logprobs64(cfg, w.tensors, p, c) for p, c in zip(prompts, conts)])
+        if served is not None:  # the engine serves altered tensors; the reference keeps the exported ones
+            w = type(w)(served(dict(w.tensors)), w.format, w.block_size, 0, dict(w.metadata))
+        eng = JaxRolloutEngine(cfg, w, precision=precision, log_kv_cache=False)
+        return float(np.mean(np.abs(np.concatenate(eng.score(prompts, conts)) - ref))), ref
+
+    err32, ref = error("float32")
+    assert err32 < 1e-4
+    assert ref.std() > 1.0 and ref.mean() < -np.log(cfg.vocab_size) - 1.0  # far from uniform
+    err8, _ = error("fp8")
+    name = "model.layers.1.mlp.down_proj.weight_scale_inv"
+    bad, _ = error("fp8", lambda t: dict(t, **{name: t[name] * 2.0}))
+    assert err8 < 0.3 and bad > 3 * err8, (err8, bad)

@@ -10,8 +10,8 @@ import pytest
 
 from fp8rl_jax.fp8 import formats, quant
 from fp8rl_jax.fp8.pallas_gemm import pallas_w8a8_matmul
-from fp8rl_jax.fp8.pallas_quant import (gpu_lowering_available, pallas_quantize_activation_groupwise,
-                                        pallas_quantize_weight_blockwise)
+from fp8rl_jax.fp8.pallas_quant import pallas_quantize_activation_groupwise, pallas_quantize_weight_blockwise
+from fp8rl_jax.gpu_target import lowering_for_h100
 from fp8_problems import assert_same_quant as _same
 from fp8_problems import QUANT_RECIPES as RECIPES
 from fp8_problems import quant_test_data
@@ -47,10 +47,30 @@ def test_kernel_zero_blocks_and_nonfinite():
         pallas_quantize_activation_groupwise(x.at[3, 3].set(-jnp.inf), interpret=True)
 
 
-def test_backend_detection_on_this_machine():
-    import jax
+def test_kernels_follow_the_platform_lowered_for_not_the_devices_present():
+    """Issue 28 (1): the same "auto" dispatchers lower to the Triton kernels for CUDA and to the jnp/XLA paths for the
+    CPU, in one process whose only devices are CPUs (no monkeypatching): the choice is per computation, made by
+    ``jax.lax.platform_dependent`` when the program is lowered. On a GPU host a CPU-placed computation thus never
+    gets a compiled (non-interpret) Pallas kernel, which the CPU backend rejects."""
+    from fp8rl_jax.fp8 import linear, pallas_quant
 
-    assert gpu_lowering_available() == (jax.default_backend() == "gpu")
+    e4m3 = jnp.float8_e4m3fn
+    progs = {
+        "quant": (lambda ws: pallas_quant.quantize_weights_batched(ws, check=False),
+                  ({"a": S((256, 256), jnp.bfloat16)},)),
+        "w8a8": (lambda x, w, s: linear.w8a8_block_matmul(x, w, s),
+                 (S((200, 256), jnp.bfloat16), S((256, 256), e4m3), S((2, 2), jnp.float32))),
+        "decode": (lambda x, w, s: linear.w8a8_block_matmul(x, w, s),
+                   (S((4, 256), jnp.bfloat16), S((256, 256), e4m3), S((2, 2), jnp.float32))),
+    }
+    for name, (fn, args) in progs.items():
+        cpu = jax.jit(fn).trace(*args).lower(lowering_platforms=("cpu",)).as_text()
+        assert "triton" not in cpu, name
+        hlo, kernels = _lower_for_cuda(fn, *args)
+        assert kernels, f"{name}: no Triton kernel when lowered for CUDA"
+    # computed here (a CPU): the jnp path, equal to the reference
+    w = _data((256, 256), seed=5, dtype=jnp.bfloat16)
+    _same(pallas_quant.quantize_weights_batched([w])[0], quant.quantize_weight_blockwise(w))
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -73,7 +93,8 @@ def _lower_for_cuda(fn, *args):
     from jaxlib.mlir import ir
     from jaxlib.triton import dialect as tt_dialect
 
-    module = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).compiler_ir("stablehlo")
+    with lowering_for_h100():  # an abstract H100 (jax 0.11's Triton lowering reads the GPU from it)
+        module = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).compiler_ir("stablehlo")
     calls = []
 
     def walk(op):
@@ -149,16 +170,12 @@ def test_w8a8_gemm_lowers_to_fp8_tt_dot_for_cuda(bm, warps, stages):
     assert dots == [(str(bm or 64), "128")]
 
 
-def test_fp8_linear_lowers_to_real_fp8_ops_for_cuda(monkeypatch):
+def test_fp8_linear_lowers_to_real_fp8_ops_for_cuda():
     """An ``nnx.Linear`` with the FP8 dot_general, lowered for CUDA: impl="pallas" runs the Triton FP8 GEMM;
     impl="blocked" hands XLA a dot_general on e4m3 operands with an f32 result (cuBLASLt FP8 on Hopper)."""
     from flax import nnx
 
     from fp8rl_jax.fp8 import dot_general as dg
-    from fp8rl_jax.fp8 import pallas_quant
-
-    # Kernels pick interpret mode from the default backend at trace time; make it look like a CUDA GPU.
-    monkeypatch.setattr(pallas_quant, "gpu_lowering_available", lambda: True)
 
     x = S((64, 256), jnp.bfloat16)
     for impl in ("pallas", "blocked"):
@@ -174,11 +191,10 @@ def test_fp8_linear_lowers_to_real_fp8_ops_for_cuda(monkeypatch):
                              r"tensor<[\dx]+xf32>", hlo)
 
 
-def test_batched_export_is_one_triton_launch_per_weight_shape_on_cuda(monkeypatch):
+def test_batched_export_is_one_triton_launch_per_weight_shape_on_cuda():
     """quantize_weights_batched on a GPU: 2 layers x {q, k, v, o} (3 distinct shapes) -> 3 Triton launches."""
     from fp8rl_jax.fp8 import pallas_quant
 
-    monkeypatch.setattr(pallas_quant, "gpu_lowering_available", lambda: True)
     shapes = {"q_proj": (512, 256), "k_proj": (128, 256), "v_proj": (128, 256), "o_proj": (256, 512)}
     weights = {f"layers.{i}.{n}": S(s, jnp.bfloat16) for i in range(2) for n, s in shapes.items()}
     hlo, kernels = _lower_for_cuda(lambda ws: pallas_quant.quantize_weights_batched(ws, check=False), weights)
@@ -213,11 +229,10 @@ def test_no_quant_tile_overhangs_its_arrays_on_cuda(shape, block):
 
 
 @pytest.mark.parametrize("precision,kv", [("fp8", "auto"), ("bf16", "auto"), ("fp8", "fp8_e4m3")])
-def test_engine_generate_program_lowers_for_cuda(monkeypatch, precision, kv):
+def test_engine_generate_program_lowers_for_cuda(precision, kv):
     """The embedded engine's whole jitted prefill + decode loop (``rollout.engine._generate``) lowers for CUDA on
     this CPU machine: FP8 linears as Triton FP8 GEMMs (+ activation quant kernels), an e4m3 KV cache as f8 tensors."""
     from fp8rl_jax.export import export_weights
-    from fp8rl_jax.fp8 import pallas_quant
     from fp8rl_jax.models.config import ModelConfig
     from fp8rl_jax.models.decoder import named_params
     from fp8rl_jax.models.loading import build_model
@@ -236,14 +251,14 @@ def test_engine_generate_program_lowers_for_cuda(monkeypatch, precision, kv):
     w = export_weights(named_params(build_model(cfg, seed=0)), fmt, kv_scales=kv_scales,
                        kv_scales_version=0 if kv_scales else None)
     e = eng_mod.JaxRolloutEngine(cfg, w, precision=precision, kv_cache_dtype=kv, log_kv_cache=False)
-    monkeypatch.setattr(pallas_quant, "gpu_lowering_available", lambda: True)  # trace as on a CUDA GPU
     ids, mask = np.zeros((2, 16), np.int32), np.ones((2, 16), bool)
     scales = (e.kv_scales.k_scale, e.kv_scales.v_scale, None) if kv == "fp8_e4m3" else (None, None, None)
-    lowered = eng_mod._generate.trace(
-        e.graphdef, e.state, ids, mask, jax.random.key(0), np.int32(0), np.float32(1.0), np.int32(1),
-        np.float32(1.0),
-        np.array([2], np.int32), *scales, n=2, max_tokens=8, greedy=False, use_top_k=False, use_top_p=False,
-        pad_token_id=0, cache_dtype=e.cache_dtype).lower(lowering_platforms=("cuda",))
+    with lowering_for_h100():
+        lowered = eng_mod._generate.trace(
+            e.graphdef, e.state, ids, mask, jax.random.key(0), np.int32(0), np.float32(1.0), np.int32(1),
+            np.float32(1.0),
+            np.array([2], np.int32), *scales, n=2, max_tokens=8, greedy=False, use_top_k=False, use_top_p=False,
+            pad_token_id=0, cache_dtype=e.cache_dtype).lower(lowering_platforms=("cuda",))
     hlo = lowered.as_text()
     assert "stablehlo.while" in hlo  # the decode loop
     triton_calls = hlo.count("__gpu$xla.gpu.triton")

@@ -32,7 +32,8 @@ import fp8_numpy_ref as ref
 from fp8rl_jax.export import _export, export_weights
 from fp8rl_jax.fp8 import formats, quantize_activation_groupwise, w8a8_block_matmul
 from fp8rl_jax.fp8.pallas_decode import fused_w8a8_decode_matmul
-from fp8rl_jax.fp8.pallas_quant import gpu_lowering_available, quantize_weights_fused
+from fp8rl_jax.fp8.kernels import cuda_device
+from fp8rl_jax.fp8.pallas_quant import quantize_weights_fused
 from fp8rl_jax.models.config import ModelConfig, hf_param_shapes
 from fp8rl_jax.models.decoder import KVCache, named_params, qkv_absmax_from_intermediates, set_qkv_capture
 from fp8rl_jax.models.fused import fused_projections, split_tensors, unfused_projections
@@ -341,13 +342,11 @@ def _launches(hlo: str) -> collections.Counter:
     return triton_launches(hlo, weight_shape)
 
 
-def test_decode_step_lowers_to_one_split_k_launch_per_fused_linear_for_cuda(monkeypatch):
+def test_decode_step_lowers_to_one_split_k_launch_per_fused_linear_for_cuda():
     """One decode step of the FP8 model lowered for CUDA on this CPU: every FP8 linear is one launch of the split-K
     decode kernel (the activation quantized in its prologue); fused, a layer launches qkv, o, gate_up and down
     (4) instead of q, k, v, o, gate, up, down (7)."""
     from test_fp8_pallas import _lower_for_cuda
-
-    from fp8rl_jax.fp8 import pallas_quant
 
     cfg = ModelConfig(**QWEN3)
     tensors = dict(export_weights(_params(cfg), "fp8_blockwise").tensors)
@@ -362,10 +361,8 @@ def test_decode_step_lowers_to_one_split_k_launch_per_fused_linear_for_cuda(monk
             h, cache = m.hidden_states(tok, pos, kv_mask, cache, 5)
             return m.logits(h[:, 0]), cache
 
-        monkeypatch.setattr(pallas_quant, "gpu_lowering_available", lambda: True)  # trace as on a CUDA GPU
         hlo, kernels = _lower_for_cuda(step, state, jnp.zeros((2, 1), jnp.int32), jnp.zeros((2, 1), jnp.int32),
                                        jnp.ones((2, 24), bool), KVCache.zeros(cfg, 2, 24, jnp.bfloat16))
-        monkeypatch.undo()
         counts[fuse] = _launches(hlo)
         names[fuse] = {re.search(r"tt\.func public @(\w+)", k).group(1) for k in kernels}
     n_layers = cfg.num_hidden_layers
@@ -417,7 +414,7 @@ def test_trainer_sync_installs_the_fused_export_without_a_copy(tmp_path):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not gpu_lowering_available(), reason="needs a CUDA GPU (none on this machine)")
+@pytest.mark.skipif(cuda_device() is None, reason="needs a CUDA GPU (none on this machine)")
 def test_on_gpu_fused_export_and_engine():
     """On the GPU, at Qwen3-0.6B widths (2 layers, random weights):
 

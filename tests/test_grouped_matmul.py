@@ -38,9 +38,12 @@ def test_tile_layout_places_every_row_once_in_its_groups_tiles(sizes, m):
 
     r, e = int(sum(sizes)), len(sizes)
     lay = tile_layout(jnp.asarray(sizes, jnp.int32), r, m)
-    slot_row, valid, tile_group = (np.asarray(a) for a in lay)
+    slot_row, valid, tile_group, row_slot = (np.asarray(a) for a in lay)
     g = num_tiles(r, e, m)
-    assert slot_row.shape == (g * m,) and tile_group.shape == (g,)
+    assert slot_row.shape == (g * m,) and tile_group.shape == (g,) and row_slot.shape == (r,)
+    # row_slot inverts slot_row on the valid slots: every row's slot is valid and holds that row
+    assert valid[row_slot].all()
+    np.testing.assert_array_equal(slot_row[row_slot], np.arange(r))
     # the bound holds: every group's ceil(size / m) tiles fit
     assert sum(-(-s // m) for s in sizes) <= g
     rows = slot_row[valid]

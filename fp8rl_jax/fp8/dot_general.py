@@ -16,8 +16,10 @@ Implementations (``impl``): ``"dequant"`` dequantizes both operands (``q * s`` r
 power-of-two scales) and runs one float32 (or
 ``dequant_dtype``) matmul; the CPU default. ``"blocked"`` multiplies real e4m3 operands per K-block with
 ``lax.dot_general(..., preferred_element_type=float32)`` and applies the scales in float32.
-``"pallas"`` is the fused Pallas GEMM of :mod:`fp8rl_jax.fp8.pallas_gemm` (GPU default; interpret mode
-elsewhere). All three compute the same sum; only the order of float32 additions differs.
+``"pallas"`` is the fused Pallas GEMM of :mod:`fp8rl_jax.fp8.pallas_gemm` (interpret mode where the program is not
+lowered for CUDA). ``"auto"`` is ``"pallas"`` (``"blocked"`` for e5m2 x e4m3) where the program is lowered for CUDA and
+``"dequant"`` elsewhere (:func:`fp8rl_jax.fp8.kernels.choose`). All compute the same sum; only the order of float32
+additions differs.
 
 Gradients: both functions are differentiable with a straight-through estimator (``custom_vjp``): the
 cotangents are those of the exact ``lax.dot_general`` on the unquantized inputs, in the inputs' precision.
@@ -36,6 +38,7 @@ from jax import lax
 
 from fp8rl_jax.fp8.formats import (ACTIVATION_RECIPE, BLOCK_SIZE, VLLM_TENSOR_NATIVE, WEIGHT_RECIPE, QuantRecipe,
                                    block_amax, compute_scale, fp8_dtype, scale_values)
+from fp8rl_jax.fp8.kernels import choose
 from fp8rl_jax.fp8.quant import _quantize_blocks, _quantize_groups
 
 IMPLS = ("auto", "dequant", "blocked", "pallas")
@@ -262,11 +265,13 @@ def scaled_matmul(xq, xs, wq, ws, *, block_size: int = BLOCK_SIZE, impl: str = "
     raise ValueError(f"unknown impl {impl!r}; expected one of {IMPLS[1:]}")
 
 
-def default_impl() -> str:
-    """``"pallas"`` on a CUDA GPU, ``"dequant"`` elsewhere."""
-    from fp8rl_jax.fp8.pallas_quant import gpu_lowering_available
-
-    return "pallas" if gpu_lowering_available() else "dequant"
+def kernel_impl(x_op: OperandQuant, w_op: OperandQuant) -> str:
+    """The implementation a CUDA program runs for these operands: ``"pallas"`` (the W8A8 GEMM kernel) for 1x128
+    groups x 128x128 blocks of one FP8 format, else ``"blocked"`` (XLA's FP8 ``dot_general`` per K-block: the
+    Pallas-Triton kernel needs equal operand types, so e5m2 gradients x e4m3 weights take XLA's FP8 dot)."""
+    if x_op.granularity == "group" and w_op.granularity == "block" and x_op.fp8 == w_op.fp8:
+        return "pallas"
+    return "blocked"
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -311,12 +316,22 @@ class Fp8DotConfig:
 
 def fp8_forward_canonical(x, w, cfg: Fp8DotConfig, x_op: OperandQuant | None = None,
                           w_op: OperandQuant | None = None):
-    """FP8 product of canonical operands ``x [B, M, K]``, ``w [B, N, K]`` -> float32 ``[B, M, N]``."""
+    """FP8 product of canonical operands ``x [B, M, K]``, ``w [B, N, K]`` -> float32 ``[B, M, N]``.
+
+    ``cfg.impl == "auto"``: :func:`kernel_impl` where the program is lowered for CUDA (the ``w8a8_gemm`` kernel
+    family, :func:`fp8rl_jax.fp8.kernels.choose`), ``"dequant"`` elsewhere.
+    """
     dx_op, dw_op = cfg.operands()
     x_op, w_op = x_op or dx_op, w_op or dw_op
-    impl = default_impl() if cfg.impl == "auto" else cfg.impl
+    if cfg.impl != "auto":
+        return _forward_with(x, w, cfg, x_op, w_op, cfg.impl)
+    return choose("w8a8_gemm", x, w, kernel=lambda a, b: _forward_with(a, b, cfg, x_op, w_op, kernel_impl(x_op, w_op)),
+                  xla=lambda a, b: _forward_with(a, b, cfg, x_op, w_op, "dequant"))
+
+
+def _forward_with(x, w, cfg: Fp8DotConfig, x_op: OperandQuant, w_op: OperandQuant, impl: str):
     bs = cfg.block_size
-    if impl == "pallas" and not (x_op.granularity == "group" and w_op.granularity == "block"):
+    if impl == "pallas" and kernel_impl(x_op, w_op) != "pallas":
         impl = "blocked"
     if cfg.scaling == "tensor" and impl != "dequant":
         # One scale per operand: a single real-FP8 dot, scaled once.

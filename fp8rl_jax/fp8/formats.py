@@ -118,8 +118,12 @@ def div_rn(a, b, *, ptx: bool = False):
 
     XLA rewrites ``A / broadcast(B)`` and ``A / constant`` into ``A * (1/B)``; adding ``a * 0`` to the divisor
     (exact for finite ``a``) hides the broadcast from that rewrite at the cost of one fused multiply-add.
-    Inside a Pallas Triton kernel (``ptx=True``) Triton's ``arith.divf`` is the approximate ``div.full.f32``,
-    so the PTX ``div.rn.f32`` instruction is emitted instead.
+    Lowered for CUDA, XLA:GPU compiles a float32 division to the approximate PTX ``div.full.f32`` (up to 2 ulp off;
+    seen in the sm_90a PTX of a deviceless compile), so that platform gets :func:`div_rn_int`, an integer long
+    division (``jax.lax.platform_dependent``: the CPU keeps its IEEE division). Use it for small arrays (scales, one
+    reciprocal per block); per-element quotients that end as FP8 codes go through :func:`scale_values`.
+    Inside a Pallas Triton kernel (``ptx=True``) Triton's ``arith.divf`` is also ``div.full.f32``, so the PTX
+    ``div.rn.f32`` instruction is emitted instead.
 
     Args:
       a, b: float32 arrays or Python scalars (at least one an array).
@@ -140,8 +144,110 @@ def div_rn(a, b, *, ptx: bool = False):
             "div.rn.f32 $0, $1, $2;", args=[a, b], constraints="=r,r,r", pack=1,
             result_shape_dtypes=[jax.ShapeDtypeStruct(shape, jnp.float32)])
         return out
-    a = jnp.broadcast_to(a, shape)
+    a, b = jnp.broadcast_to(a, shape), jnp.broadcast_to(b, shape)
+    return lax.platform_dependent(a, b, cuda=div_rn_int, default=_div_ieee)
+
+
+def _div_ieee(a, b):
+    """XLA's float32 division, kept a division (see :func:`div_rn`): IEEE on the CPU, ``div.full.f32`` on CUDA."""
     return lax.div(a, b + a * 0.0)
+
+
+def _fields(x):
+    """``(bits & 0x7fffffff, biased exponent, 23-bit mantissa field)`` of float32 ``x`` as int32."""
+    mag = lax.bitcast_convert_type(x, jnp.int32) & jnp.int32(0x7FFFFFFF)
+    return mag, lax.shift_right_logical(mag, jnp.int32(23)), mag & jnp.int32(0x7FFFFF)
+
+
+def div_rn_int(a, b, approx=_div_ieee):
+    """Correctly rounded float32 ``a / b`` by integer long division of the 24-bit significands (no float rounding).
+
+    For normal, finite, nonzero ``a`` and ``b`` with a normal quotient: 24 quotient bits from a restoring long
+    division of ``A * 2**23 / B`` (remainders below ``2**25``, int32 lanes), then round to nearest, ties to even, from
+    the remainder (a quotient of two 24-bit significands is never exactly a tie, but the rule is applied anyway).
+    Everything else (zeros, subnormal or non-finite operands, a quotient that overflows or is subnormal) takes
+    ``approx(a, b)``. Integer arithmetic, so no platform rounds it differently: the CUDA branch of :func:`div_rn`,
+    where XLA's own division is the approximate ``div.full.f32``. About 150 integer operations per element: meant
+    for per-block scales and reciprocals.
+
+    Args:
+      a, b: float32 arrays of one shape.
+      approx: the division for the cases above (default XLA's).
+
+    Returns:
+      float32 array, equal to IEEE ``a / b`` wherever the integer path applies.
+    """
+    i32 = jnp.int32
+    a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+    _, fa, ma = _fields(a)
+    _, fb, mb = _fields(b)
+    sign = (lax.bitcast_convert_type(a, i32) ^ lax.bitcast_convert_type(b, i32)) & i32(-0x80000000)
+    sa, sb = ma | i32(0x800000), mb | i32(0x800000)
+    small = sa < sb
+    rem = jnp.where(small, lax.shift_left(sa, i32(1)), sa)  # [B, 2B): the quotient's first bit is 1
+    e = fa - fb - small.astype(i32)
+    q = jnp.zeros_like(rem)
+    for _ in range(24):
+        bit = rem >= sb
+        q = lax.shift_left(q, i32(1)) | bit.astype(i32)
+        rem = lax.shift_left(jnp.where(bit, rem - sb, rem), i32(1))  # 2 * remainder < 2B < 2**25
+    up = (rem > sb) | ((rem == sb) & ((q & 1) == 1))
+    q = q + up.astype(i32)
+    carry = q >= i32(1 << 24)
+    q = jnp.where(carry, lax.shift_right_logical(q, i32(1)), q)
+    exp = e + carry.astype(i32) + 127
+    bits = sign | lax.shift_left(exp, i32(23)) | (q & i32(0x7FFFFF))
+    ok = (fa >= 1) & (fa <= 254) & (fb >= 1) & (fb <= 254) & (exp >= 1) & (exp <= 254)
+    return jnp.where(ok, lax.bitcast_convert_type(bits, jnp.float32), approx(a, b))
+
+
+def fp8_of_quotient(x, s, fp8_dtype, fp8_max: float, approx=_div_ieee):
+    """``cast(clip(RN_f32(x / s), +-fp8_max))`` to e4m3/e5m2, exact from an approximate division.
+
+    The CUDA branch of :func:`scale_values` (XLA:GPU's float32 division is ``div.full.f32``, up to 2 ulp off).
+    ``q0 = approx(x, s)`` gives the FP8 code directly unless ``q0`` lies within 4 float32 ulps of ``m``, the
+    midpoint of the two FP8 values around it; only there can the approximation change the code. There the exact
+    quotient is compared with ``m``'s float32 rounding interval ``[m - h_below, m + h]`` (``h`` half a float32 ulp of
+    ``m``; ``RN_f32(x / s) = m`` inside it, and ``m`` then rounds to the FP8 value with the even code):
+    ``d = (|x| - m * s_hi) - m * s_lo`` with ``s_hi`` = ``s`` without its 5 low significand bits. ``m`` has at most
+    5 significant bits, so both products are exact, and ``|x|``, ``m * s_hi`` and ``m * s_lo`` are multiples of one
+    unit with ``d`` a small multiple of it: every step is exact whether or not the compiler fuses a multiply and an
+    add, and ``d`` is compared with the exact ``h * s``. Equals the IEEE path bit for bit for positive normal ``s``
+    (a scale; tested against numpy with ``approx`` off by up to 2 ulps); NaN and +-inf pass as in the IEEE path.
+
+    Args:
+      x: float32 values; s: positive float32 scales broadcastable to ``x``.
+      fp8_dtype, fp8_max: e4m3 (<= 448) or e5m2 (<= 57344).
+      approx: the division (default XLA's; tests pass a perturbed one).
+
+    Returns:
+      ``fp8_dtype`` array of ``x``'s shape.
+    """
+    i32, f32 = jnp.int32, jnp.float32
+    x = x.astype(f32)
+    s = jnp.broadcast_to(jnp.asarray(s, f32), x.shape)
+    mx = f32(fp8_max)
+    v = jnp.clip(approx(x, s), -mx, mx)
+    av = jnp.abs(v)
+    dt = jnp.dtype(fp8_dtype)
+    code = lax.bitcast_convert_type(av.astype(dt), jnp.uint8).astype(i32)  # RN of the approximate quotient
+    cv = lax.bitcast_convert_type(code.astype(jnp.uint8), dt).astype(f32)
+    below = cv > av  # the approximate quotient lies between the previous code's value and cv
+    lo_code = jnp.where(below, code - 1, code)
+    lo = lax.bitcast_convert_type(jnp.maximum(lo_code, 0).astype(jnp.uint8), dt).astype(f32)
+    hi = lax.bitcast_convert_type((lo_code + 1).astype(jnp.uint8), dt).astype(f32)
+    m = (lo + hi) * f32(0.5)  # exact: a few significant bits
+    m_mag, m_exp, m_man = _fields(m)
+    ulp = lax.bitcast_convert_type(lax.shift_left(jnp.maximum(m_exp - 23, 1), i32(23)), f32)
+    near = (jnp.abs(av - m) <= 4 * ulp) & (hi <= mx) & (lo_code >= 0) & (av < mx) & (s > 0) & jnp.isfinite(s)
+    s_hi = lax.bitcast_convert_type(lax.bitcast_convert_type(s, i32) & i32(~0x1F), f32)
+    d = (jnp.abs(x) - m * s_hi) - m * (s - s_hi)  # = |x| - m * s, exactly (see above)
+    h = ulp * f32(0.5)
+    h_below = jnp.where(m_man == 0, h * f32(0.5), h)  # m a power of two: the float32 step below is half
+    pick = jnp.where(d > h * s, hi, jnp.where(d < -(h_below * s), lo, jnp.where((lo_code & 1) == 0, lo, hi)))
+    mag = jnp.where(near, pick, av)
+    out = jnp.where(jnp.isnan(v), v, jnp.where(jnp.signbit(v), -mag, mag))
+    return out.astype(dt) if dt != jnp.dtype(E4M3) else cast_to_e4m3(out)
 
 
 _LN2_Q32 = np.uint32(2977044471)  # floor(ln(2) * 2**32)
@@ -315,8 +421,18 @@ def scale_values(x: jnp.ndarray, scale: jnp.ndarray, fp8_dtype=E4M3, fp8_max: fl
             # hides it from that pattern.
             r = lax.optimization_barrier(r)
         v = xf * r
-    else:
-        v = div_rn(xf, scale, ptx=ptx)
+    elif ptx:
+        v = div_rn(xf, scale, ptx=True)
+    else:  # a per-element division: exact on CUDA from XLA's approximate one (fp8_of_quotient)
+        scale = jnp.broadcast_to(jnp.asarray(scale, jnp.float32), xf.shape)
+        return lax.platform_dependent(
+            xf, scale, cuda=lambda a, b: fp8_of_quotient(a, b, fp8_dtype, fp8_max),
+            default=lambda a, b: _cast_fp8(_div_ieee(a, b), fp8_dtype, fp8_max, ptx=False))
+    return _cast_fp8(v, fp8_dtype, fp8_max, ptx=ptx)
+
+
+def _cast_fp8(v, fp8_dtype, fp8_max: float, *, ptx: bool):
+    """``cast(clip(v, +-fp8_max))`` with round-to-nearest-even (:func:`cast_to_e4m3` for e4m3 outside kernels)."""
     e4m3 = not ptx and jnp.dtype(fp8_dtype) == jnp.dtype(E4M3) and fp8_max <= E4M3_MAX
     if not e4m3 or fp8_max < E4M3_MAX:  # cast_to_e4m3 saturates at 448 itself
         v = jnp.clip(v, -fp8_max, fp8_max)

@@ -1,11 +1,12 @@
 """W8A8 blockwise FP8 matmul on pre-quantized weights (weights 128x128, activations 1x128), as a function.
 
 ``y[m, n] = sum_kb (xq[m, kb] . wq[n, kb]) * xs[m, kb] * ws[n // 128, kb]`` with float32 accumulation
-(DeepSeek-V3 / DeepGEMM / vLLM ``w8a8_block_fp8_matmul``). On CPU this is evaluated as
-``dequant(xq) @ dequant(wq).T`` in float32, which is the same sum (only the order of fp32 additions differs);
-on a CUDA GPU it runs Pallas kernels on real e4m3 operands: for ``M <= 64`` rows (decode) the one-launch split-K
-kernel that quantizes the activations in its prologue (:mod:`fp8rl_jax.fp8.pallas_decode`), above that group
-quantization then the tiled GEMM (:mod:`fp8rl_jax.fp8.pallas_gemm`).
+(DeepSeek-V3 / DeepGEMM / vLLM ``w8a8_block_fp8_matmul``). Lowered for the CPU (or any non-CUDA platform) this is
+evaluated as ``dequant(xq) @ dequant(wq).T`` in float32, which is the same sum (only the order of fp32 additions
+differs); lowered for CUDA it runs Pallas kernels on real e4m3 operands: for ``M <= 64`` rows (decode) the
+one-launch split-K kernel that quantizes the activations in its prologue (:mod:`fp8rl_jax.fp8.pallas_decode`,
+kernel family ``decode_gemm``), above that group quantization then the tiled GEMM (:mod:`fp8rl_jax.fp8.pallas_gemm`,
+``w8a8_gemm``). The choice is :func:`fp8rl_jax.fp8.kernels.choose`'s (self-test, ``FP8RL_KERNELS``).
 """
 
 from __future__ import annotations
@@ -14,9 +15,10 @@ import math
 
 import jax.numpy as jnp
 
-from fp8rl_jax.fp8.dot_general import default_impl, scaled_matmul
+from fp8rl_jax.fp8.dot_general import scaled_matmul
 from fp8rl_jax.fp8.pallas_decode import MAX_DECODE_ROWS, fused_w8a8_decode_matmul
 from fp8rl_jax.fp8.formats import ACTIVATION_RECIPE, BLOCK_SIZE
+from fp8rl_jax.fp8.kernels import choose
 from fp8rl_jax.fp8.quant import _quantize_groups
 
 
@@ -31,7 +33,7 @@ def w8a8_block_matmul(x: jnp.ndarray, weight: jnp.ndarray, weight_scale_inv: jnp
       weight_scale_inv: float32 ``[ceil(N/bs), ceil(K/bs)]``.
       block_size: bs (128).
       out_dtype: result dtype (default ``x.dtype``).
-      impl: ``"auto"`` (on a CUDA GPU: ``"fused"`` for at most :data:`~fp8rl_jax.fp8.pallas_decode.MAX_DECODE_ROWS`
+      impl: ``"auto"`` (lowered for CUDA: ``"fused"`` for at most :data:`~fp8rl_jax.fp8.pallas_decode.MAX_DECODE_ROWS`
         rows, else ``"pallas"``; dequantize + float32 matmul elsewhere), ``"dequant"``, ``"blocked"`` (per-K-block
         real e4m3 ``dot_general``), ``"pallas"`` (group quantization, then the tiled GEMM) or ``"fused"`` (one
         split-K kernel with the activation quantization inside; bit-identical to ``"pallas"`` up to the order of
@@ -51,12 +53,19 @@ def w8a8_block_matmul(x: jnp.ndarray, weight: jnp.ndarray, weight_scale_inv: jnp
         raise ValueError(f"w8a8_block_matmul: weight_scale_inv {tuple(weight_scale_inv.shape)} does not match "
                          f"weight {tuple(weight.shape)} with block {block_size}: expected {(nb, kb)}")
     out_dtype = out_dtype or x.dtype
+    if impl == "auto":
+        rows = math.prod(x.shape[:-1])
+        family, kernel = ("decode_gemm", "fused") if rows <= MAX_DECODE_ROWS else ("w8a8_gemm", "pallas")
+        return choose(family, x, weight, weight_scale_inv,
+                      kernel=lambda *a: _matmul(*a, block_size, out_dtype, kernel),
+                      xla=lambda *a: _matmul(*a, block_size, out_dtype, "dequant"))
+    return _matmul(x, weight, weight_scale_inv, block_size, out_dtype, impl)
+
+
+def _matmul(x, weight, weight_scale_inv, block_size, out_dtype, impl):
+    n, k = weight.shape
     *lead, _ = x.shape
     rows = math.prod(lead)
-    if impl == "auto":
-        impl = default_impl()
-        if impl == "pallas" and rows <= MAX_DECODE_ROWS:
-            impl = "fused"
     if impl == "fused":
         y = fused_w8a8_decode_matmul(x.reshape(rows, k), weight, weight_scale_inv, block_size=block_size,
                                      out_dtype=out_dtype)
@@ -72,4 +81,3 @@ def w8a8_block_matmul(x: jnp.ndarray, weight: jnp.ndarray, weight_scale_inv: jnp
         ws_rows = jnp.repeat(ws, block_size, axis=0)[:n]
         y = scaled_matmul(xq, xs, weight[None], ws_rows[None], block_size=block_size, impl=impl)
     return y.reshape(*lead, n).astype(out_dtype)
-

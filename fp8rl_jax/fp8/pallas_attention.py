@@ -52,6 +52,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from fp8rl_jax.fp8.kv_cache import is_fp8_cache, quantize_kv
+from fp8rl_jax.fp8.kernels import KernelMismatch, choose, register_selftest, run_pallas
 
 #: ``kv_attention`` choices of the engine / :func:`use_fp8_kv_kernel`.
 KV_ATTENTION_IMPLS = ("auto", "materialize", "pallas", "interpret")
@@ -63,38 +64,34 @@ MIN_TILE = 16
 _NEG = -1e30
 
 
-def use_fp8_kv_kernel(impl: str | None) -> tuple[bool, bool]:
-    """Resolve a ``kv_attention`` choice to ``(use the kernel, interpret mode)`` for an e4m3 cache's decode step.
+def use_fp8_kv_kernel(impl: str | None) -> str | None:
+    """Resolve a ``kv_attention`` choice for an e4m3 cache's decode step.
 
     Args:
-      impl: ``"auto"`` / ``None`` (the kernel on a CUDA GPU, the materialized path elsewhere), ``"materialize"``
-        (dequantize the cache, then ``jax.nn.dot_product_attention``: today's path), ``"pallas"`` (the kernel;
-        interpret mode off a CUDA GPU) or ``"interpret"`` (the kernel in Pallas interpret mode, for tests).
+      impl: ``"auto"`` / ``None`` (the kernel where the program is lowered for CUDA, the materialized path elsewhere:
+        :func:`fp8rl_jax.fp8.kernels.choose`, family ``fp8_kv_attention``), ``"materialize"`` (dequantize the
+        cache, then ``jax.nn.dot_product_attention``), ``"pallas"`` (the kernel; interpret mode where the program is
+        not lowered for CUDA) or ``"interpret"`` (the kernel in Pallas interpret mode, for tests).
+
+    Returns:
+      ``None`` (materialize), ``"auto"``, ``"pallas"`` or ``"interpret"``.
 
     Raises:
       ValueError: another name (the valid ones named).
     """
-    from fp8rl_jax.fp8.pallas_quant import gpu_lowering_available
-
     impl = "auto" if impl is None else impl
     if impl not in KV_ATTENTION_IMPLS:
         raise ValueError(f"kv_attention={impl!r} is not one of {KV_ATTENTION_IMPLS}")
-    if impl == "materialize":
-        return False, False
-    if impl == "interpret":
-        return True, True
-    gpu = gpu_lowering_available()
-    if impl == "auto":
-        return gpu, False
-    return True, not gpu
+    return None if impl == "materialize" else impl
 
 
-def decode_kernel_choice(impl: str | None, num_queries: int, cache_shape) -> tuple[bool, bool]:
-    """Whether an attention call over an e4m3 cache runs this kernel: ``(use it, interpret mode)``.
+def decode_kernel_choice(impl: str | None, num_queries: int, cache_shape) -> str | None:
+    """How an attention call over an e4m3 cache may use this kernel: ``None`` (never), ``"auto"``, ``"pallas"`` or
+    ``"interpret"`` (see :func:`use_fp8_kv_kernel`).
 
     The hook of :meth:`fp8rl_jax.models.decoder.Attention.forward`: only a decode step (``num_queries == 1``) over a
-    cache the kernel takes (``T >= 16`` slots, ``head_dim`` a power of two >= 16) uses it, as
-    :func:`use_fp8_kv_kernel` resolves ``impl``; prefill and every other shape keep the materialized path.
+    cache the kernel takes (``T >= 16`` slots, ``head_dim`` a power of two >= 16) may use it; prefill and every other
+    shape keep the materialized path.
 
     Args:
       impl: a :data:`KV_ATTENTION_IMPLS` name (None = ``"auto"``).
@@ -104,10 +101,20 @@ def decode_kernel_choice(impl: str | None, num_queries: int, cache_shape) -> tup
     Raises:
       ValueError: an unknown ``impl``.
     """
-    use, interpret = use_fp8_kv_kernel(impl)
+    use = use_fp8_kv_kernel(impl)
     _, t, _, d = cache_shape
     fits = num_queries == 1 and t >= MIN_TILE and d >= MIN_TILE and not d & (d - 1)
-    return (use and fits), interpret
+    return use if fits else None
+
+
+def fp8_kv_attention_dispatch(mode: str, *args, kernel, xla):
+    """Run a decode attention over an e4m3 cache as :func:`decode_kernel_choice`'s ``mode`` says: ``"auto"``
+    through :func:`fp8rl_jax.fp8.kernels.choose` (``kernel(*args, interpret=False)`` where lowered for CUDA,
+    ``xla(*args)`` elsewhere), ``"pallas"`` the kernel (interpret mode where not lowered for CUDA), ``"interpret"``
+    the kernel in interpret mode."""
+    if mode == "auto":
+        return choose("fp8_kv_attention", *args, kernel=functools.partial(kernel, interpret=False), xla=xla)
+    return kernel(*args, interpret=True if mode == "interpret" else None)
 
 
 def choose_splits(batch: int, num_kv_heads: int, num_blocks: int, target_programs: int = TARGET_PROGRAMS) -> int:
@@ -235,7 +242,8 @@ def fp8_kv_decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array
       sm_scale: softmax scale (default ``D ** -0.5``, Llama / Qwen2 / Qwen3).
       block_k: slots per tile (a power of two >= 16; lowered to the largest power of two <= T when T is smaller).
       splits: sequence splits (default :func:`choose_splits`: about :data:`TARGET_PROGRAMS` programs).
-      interpret: Pallas interpret mode (default: interpret unless a CUDA GPU is the default backend).
+      interpret: Pallas interpret mode (default None: compiled where the program is lowered for CUDA, interpret
+        mode elsewhere).
       num_warps, num_stages: Triton launch parameters (GPU only).
 
     Returns:
@@ -247,8 +255,6 @@ def fp8_kv_decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array
 
     Source: flash-decoding (split-K over the sequence + log-sum-exp combine); vLLM's FP8 KV cache semantics.
     """
-    from fp8rl_jax.fp8.pallas_quant import _resolve_interpret
-
     if not (is_fp8_cache(k_cache) and is_fp8_cache(v_cache)):
         raise ValueError(f"fp8_kv_decode_attention needs an e4m3 cache, got {k_cache.dtype} / {v_cache.dtype}")
     if q.ndim != 3 or k_cache.ndim != 4 or k_cache.shape != v_cache.shape:
@@ -284,11 +290,47 @@ def fp8_kv_decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array
         qin, c = quantize_kv(q, qs), (qs * ks) * jnp.float32(sm_scale)
     else:
         qin, c = q, ks * jnp.float32(sm_scale)
-    return _decode(qin, k_cache, v_cache, c, jnp.asarray(v_scale, jnp.float32), kv_mask.astype(jnp.int8),
+    return run_pallas(_decode, qin, k_cache, v_cache, c, jnp.asarray(v_scale, jnp.float32), kv_mask.astype(jnp.int8),
                    jnp.asarray(q_slot, jnp.int32), bk=bk, splits=splits, blocks_per_split=blocks_per_split, gp=gp,
-                   out_dtype=jnp.dtype(q.dtype), interpret=_resolve_interpret(interpret), num_warps=num_warps,
+                   out_dtype=jnp.dtype(q.dtype), interpret=interpret, num_warps=num_warps,
                    num_stages=num_stages)
 
 
+def _selftest_fp8_kv_attention(interpret: bool = False) -> None:
+    """Self-test of the ``fp8_kv_attention`` family: 2 rows x 4 query heads over a 40-slot e4m3 cache of 2 KV heads
+    (left padding, the query at slot 33 / 39, two splits) on the default device against the float64 formula on the
+    dequantized cache, to 1e-5 relative (float32 softmax and accumulation).
+
+    Raises:
+      KernelMismatch: the outputs differ by more.
+    """
+    import numpy as np
+
+    from fp8rl_jax.fp8.kernels import check_close
+
+    rng = np.random.default_rng(0)
+    b, t, hkv, g, d = 2, 40, 2, 2, 64
+    q = rng.standard_normal((b, hkv * g, d)).astype(np.float32)
+    kc, vc = (rng.standard_normal((b, t, hkv, d)).astype(np.float32).astype(jnp.float8_e4m3fn) for _ in range(2))
+    ks, vs = np.float32(0.05), np.float32(0.02)
+    mask = np.ones((b, t), bool)
+    mask[0, :6] = False
+    slot = np.array([33, 39], np.int32)
+    out = fp8_kv_decode_attention(jnp.asarray(q), jnp.asarray(kc), jnp.asarray(vc), ks, vs, jnp.asarray(mask),
+                                  jnp.asarray(slot), splits=2, block_k=16, interpret=interpret)
+    k64 = np.repeat(kc.astype(np.float64) * float(ks), g, axis=2)  # [B, T, H_q, D]
+    v64 = np.repeat(vc.astype(np.float64) * float(vs), g, axis=2)
+    sc = np.einsum("bhd,bthd->bht", q.astype(np.float64), k64) / np.sqrt(d)
+    vis = mask & (np.arange(t)[None] <= slot[:, None])
+    sc = np.where(vis[:, None], sc, -np.inf)
+    p = np.exp(sc - sc.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    ref = np.einsum("bht,bthd->bhd", p, v64)
+    check_close("FP8-KV decode attention B=2 T=40", out, ref, np.einsum("bht,bthd->bhd", p, np.abs(v64)), 1e-5)
+
+
+register_selftest("fp8_kv_attention", _selftest_fp8_kv_attention)
+
+
 __all__ = ["KV_ATTENTION_IMPLS", "TARGET_PROGRAMS", "choose_splits", "decode_kernel_choice", "fp8_kv_decode_attention",
-           "use_fp8_kv_kernel"]
+           "use_fp8_kv_kernel", "fp8_kv_attention_dispatch"]

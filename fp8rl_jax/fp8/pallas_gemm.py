@@ -17,6 +17,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from fp8rl_jax.fp8.formats import BLOCK_SIZE
+from fp8rl_jax.fp8.kernels import check_close, register_selftest, run_pallas
 
 
 def _gemm_kernel(x_ref, xs_ref, w_ref, ws_ref, o_ref, *, kb, bk):
@@ -94,7 +95,7 @@ def pallas_w8a8_matmul(xq, xs, wq, ws, *, block_size: int = BLOCK_SIZE, bm: int 
       bm, bn: output tile (powers of two, ``bn`` divides ``block_size``, ``bm >= 16`` on GPU); default
         ``bm = clip(next_pow2(M), 16, 64)``, ``bn = 128``.
       out_dtype: result dtype (accumulation is float32).
-      interpret: default: interpret unless a CUDA GPU is the default backend.
+      interpret: default None: compiled where the program is lowered for CUDA, interpret mode elsewhere.
 
     Returns:
       ``[M, N]`` in ``out_dtype``.
@@ -102,8 +103,6 @@ def pallas_w8a8_matmul(xq, xs, wq, ws, *, block_size: int = BLOCK_SIZE, bm: int 
     Raises:
       ValueError: shapes/scales that do not match, or ``bn`` not dividing ``block_size``.
     """
-    from fp8rl_jax.fp8.pallas_quant import _resolve_interpret
-
     m, k = xq.shape
     n, k2 = wq.shape
     kb = -(-k // block_size)
@@ -116,6 +115,54 @@ def pallas_w8a8_matmul(xq, xs, wq, ws, *, block_size: int = BLOCK_SIZE, bm: int 
     bn = bn or block_size
     if block_size % bn:
         raise ValueError(f"bn={bn} must divide block_size={block_size}")
-    return _gemm(xq, xs.astype(jnp.float32), wq, ws.astype(jnp.float32), block_size=block_size, bm=bm, bn=bn,
-                 out_dtype=jnp.dtype(out_dtype), interpret=_resolve_interpret(interpret), num_warps=num_warps,
+    return run_pallas(_gemm, xq, xs.astype(jnp.float32), wq, ws.astype(jnp.float32), block_size=block_size, bm=bm, bn=bn,
+                 out_dtype=jnp.dtype(out_dtype), interpret=interpret, num_warps=num_warps,
                  num_stages=num_stages)
+
+
+def w8a8_reference(xq, xs, wq, ws, block_size: int = BLOCK_SIZE):
+    """float64 numpy ``(y, bound)`` of the W8A8 blockwise product (the formula in the module docstring) for a
+    self-test: ``y = (xq * xs) @ (wq * ws).T`` with each scale broadcast over its group/block, ``bound = |.| @ |.|.T``.
+
+    Args: ``xq [M, K]`` e4m3, ``xs [M, KB]``, ``wq [N, K]`` e4m3, ``ws [ceil(N/bs), KB]`` (numpy or jax arrays).
+    """
+    import numpy as np
+
+    m, k = xq.shape
+    n = wq.shape[0]
+    xd = np.asarray(xq).astype(np.float64) * np.repeat(np.asarray(xs, np.float64), block_size, axis=1)[:, :k]
+    wsr = np.repeat(np.repeat(np.asarray(ws, np.float64), block_size, axis=0), block_size, axis=1)[:n, :k]
+    wd = np.asarray(wq).astype(np.float64) * wsr
+    return xd @ wd.T, np.abs(xd) @ np.abs(wd).T
+
+
+def selftest_operands(m: int, n: int, k: int, seed: int = 0):
+    """Ragged e4m3 operands for a self-test, quantized on the CPU by the jnp reference (vLLM's roundings):
+    ``(x float32 [M, K], xq, xs, wq [N, K], ws)`` as numpy arrays."""
+    import numpy as np
+
+    from fp8rl_jax.fp8.formats import ACTIVATION_RECIPE, E4M3, E4M3_MAX, WEIGHT_RECIPE
+    from fp8rl_jax.fp8.quant import _quantize_blocks, _quantize_groups
+
+    cpu = jax.devices("cpu")[0]
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((m, k)).astype(np.float32) * np.logspace(-1, 1, k, dtype=np.float32)
+    w = (rng.standard_normal((n, k)) * 0.05).astype(np.float32)
+    xq, xs = _quantize_groups(jax.device_put(x, cpu), group_size=BLOCK_SIZE, ue8m0=False, fp8_dtype=jnp.dtype(E4M3),
+                              fp8_max=E4M3_MAX, recipe=ACTIVATION_RECIPE)
+    wq, ws = _quantize_blocks(jax.device_put(w, cpu), bn=BLOCK_SIZE, bk=BLOCK_SIZE, ue8m0=False,
+                              fp8_dtype=jnp.dtype(E4M3), fp8_max=E4M3_MAX, recipe=WEIGHT_RECIPE)
+    return x, *(np.asarray(a) for a in (xq, xs, wq, ws))
+
+
+def _selftest_w8a8_gemm(interpret: bool = False) -> None:
+    """Self-test of the ``w8a8_gemm`` family (:mod:`fp8rl_jax.fp8.kernels`): M=65, N=200, K=300 (ragged in every
+    dimension) on the default device against :func:`w8a8_reference`, to 1e-5 of the sum of |terms| (float32
+    accumulation of three K-block partials; a wrong scale or tile misses it by orders of magnitude)."""
+    _, xq, xs, wq, ws = selftest_operands(65, 200, 300)
+    y = pallas_w8a8_matmul(*(jnp.asarray(a) for a in (xq, xs, wq, ws)), interpret=interpret)
+    ref, bound = w8a8_reference(xq, xs, wq, ws)
+    check_close("W8A8 GEMM M=65 N=200 K=300", y, ref, bound, 1e-5)
+
+
+register_selftest("w8a8_gemm", _selftest_w8a8_gemm)

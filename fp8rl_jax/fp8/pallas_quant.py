@@ -4,9 +4,11 @@ One pass over the input: each program loads one tile, reduces its absolute maxim
 the float32 ``scale_inv``. Weights are batched: a stack ``[L, N, K]`` (all layers' weights of one shape) is
 quantized by one ``pallas_call`` with grid ``(L, ceil(N/128), ceil(K/128))``.
 
-Backends: on a CUDA GPU the kernel is lowered with Triton (Pallas' default GPU lowering); elsewhere it runs
-with ``interpret=True`` (for tests at small sizes; the jnp reference in :mod:`fp8rl_jax.fp8.quant` is the CPU
-fast path). The kernel body calls the same scale/rounding helpers as the jnp reference
+Backends: where a program is lowered for CUDA the kernel is compiled with Triton (Pallas' default GPU lowering);
+lowered for any other platform the ``"auto"`` dispatchers run the jnp reference of :mod:`fp8rl_jax.fp8.quant`
+and an explicitly requested Pallas kernel runs with ``interpret=True`` (for tests at small sizes). The choice is
+made per computation by :func:`fp8rl_jax.fp8.kernels.choose` (``jax.lax.platform_dependent``), never by which
+devices exist; the ``quant`` family's self-test and ``FP8RL_KERNELS`` apply. The kernel body calls the same scale/rounding helpers as the jnp reference
 (:func:`~fp8rl_jax.fp8.formats.compute_scale`, :func:`~fp8rl_jax.fp8.formats.scale_values`), so in interpret
 mode both are bit-identical (tested). On GPU, divisions are emitted as PTX ``div.rn.f32`` (Triton's own
 float32 division is the approximate ``div.full.f32``), UE8M0 uses integer bit arithmetic, the e4m3 cast is
@@ -16,7 +18,7 @@ float64-numpy + ml_dtypes reference. Ragged shapes are zero-padded to whole tile
 (:func:`padded_tile_shape`): no tile overhangs an array, so no load or store can go out of bounds.
 
 :func:`quantize_weights_batched` is the dispatcher the exporter uses: it groups same-shaped weights, stacks
-each group and quantizes it in one call (jnp on CPU, Pallas on GPU).
+each group and quantizes it in one call (jnp lowered for the CPU, Pallas lowered for CUDA).
 """
 
 from __future__ import annotations
@@ -30,22 +32,14 @@ from jax.experimental import pallas as pl
 
 from fp8rl_jax.fp8.formats import (ACTIVATION_RECIPE, BLOCK_SIZE, E4M3, E4M3_MAX, WEIGHT_RECIPE, QuantRecipe,
                                    block_amax, compute_scale, scale_values)
-from fp8rl_jax.fp8.quant import _block_pair, _quantize_blocks, _require, raise_if_nonfinite
+from fp8rl_jax.fp8.kernels import KernelMismatch, choose, register_selftest, run_pallas
+from fp8rl_jax.fp8.quant import _block_pair, _quantize_blocks, _quantize_groups, _require, raise_if_nonfinite
 
 
-def gpu_lowering_available() -> bool:
-    """True when the default JAX backend is a CUDA GPU (Pallas lowers through Triton there)."""
-    try:
-        dev = jax.devices()[0]
-    except RuntimeError:
-        return False
-    if dev.platform != "gpu":
-        return False
-    return "rocm" not in str(getattr(dev.client, "platform_version", "")).lower()
-
-
-def _resolve_interpret(interpret: bool | None) -> bool:
-    return (not gpu_lowering_available()) if interpret is None else bool(interpret)
+def _quantize_3d_on_platform(x3, interpret: bool | None, **kw):
+    """:func:`_pallas_quantize_3d` compiled as a GPU kernel where the program is lowered for CUDA and in interpret
+    mode elsewhere (``interpret=None``), or as forced."""
+    return run_pallas(_pallas_quantize_3d, x3, interpret=interpret, **kw)
 
 
 def _quant_tile_kernel(x_ref, q_ref, s_ref, *, bn, bk, per_row, ue8m0, fp8_dtype, fp8_max, recipe, ptx):
@@ -125,7 +119,8 @@ def pallas_quantize_weight_blockwise(
       ue8m0: power-of-two scales.
       fp8_dtype, fp8_max: target format.
       recipe: rounding details; default ``formats.WEIGHT_RECIPE`` (vLLM ``per_block_cast_to_fp8``).
-      interpret: force interpret mode (default: interpret unless a CUDA GPU is the default backend).
+      interpret: force interpret mode or the compiled kernel (default None: compiled where the program is lowered
+        for CUDA, interpret mode elsewhere).
       check: when called eagerly, raise ``ValueError`` on NaN/inf input.
 
     Returns:
@@ -138,12 +133,12 @@ def pallas_quantize_weight_blockwise(
     bn, bk = _block_pair(block_size)
     *lead, n, k = w.shape
     x3 = w.reshape(-1, n, k)
-    interpret = _resolve_interpret(interpret)
-    q, s = _pallas_quantize_3d(x3, bn=bn, bk=bk, per_row=False, ue8m0=bool(ue8m0), fp8_dtype=jnp.dtype(fp8_dtype),
-                               fp8_max=float(fp8_max), recipe=recipe or WEIGHT_RECIPE, interpret=interpret)
+    q, s = _quantize_3d_on_platform(x3, interpret, bn=bn, bk=bk, per_row=False, ue8m0=bool(ue8m0),
+                                    fp8_dtype=jnp.dtype(fp8_dtype), fp8_max=float(fp8_max),
+                                    recipe=recipe or WEIGHT_RECIPE)
     q, s = q.reshape(*lead, n, k), s.reshape(*lead, *s.shape[1:])
     if check:
-        raise_if_nonfinite("pallas_quantize_weight_blockwise", w, s, scale_propagates_nan=not interpret)
+        raise_if_nonfinite("pallas_quantize_weight_blockwise", w, s)
     return q, s
 
 
@@ -160,7 +155,8 @@ def pallas_quantize_activation_groupwise(
       ue8m0: power-of-two scales.
       recipe: rounding details; default ``formats.ACTIVATION_RECIPE`` (vLLM ``QuantFP8`` native group path).
       block_rows: rows per program (a power of two on GPU).
-      interpret: force interpret mode (default: interpret unless a CUDA GPU is the default backend).
+      interpret: force interpret mode or the compiled kernel (default None: compiled where the program is lowered
+        for CUDA, interpret mode elsewhere).
       check: when called eagerly, raise ``ValueError`` on NaN/inf input.
 
     Returns:
@@ -172,13 +168,12 @@ def pallas_quantize_activation_groupwise(
     for d in lead:
         m *= d
     bm = max(1, min(block_rows, pl.next_power_of_2(max(m, 1))))
-    interpret = _resolve_interpret(interpret)
-    q, s = _pallas_quantize_3d(x.reshape(1, m, k), bn=bm, bk=int(group_size), per_row=True, ue8m0=bool(ue8m0),
-                               fp8_dtype=jnp.dtype(fp8_dtype), fp8_max=float(fp8_max),
-                               recipe=recipe or ACTIVATION_RECIPE, interpret=interpret)
+    q, s = _quantize_3d_on_platform(x.reshape(1, m, k), interpret, bn=bm, bk=int(group_size), per_row=True,
+                                    ue8m0=bool(ue8m0), fp8_dtype=jnp.dtype(fp8_dtype), fp8_max=float(fp8_max),
+                                    recipe=recipe or ACTIVATION_RECIPE)
     q, s = q.reshape(*lead, k), s.reshape(*lead, s.shape[-1])
     if check:
-        raise_if_nonfinite("pallas_quantize_activation_groupwise", x, s, scale_propagates_nan=not interpret)
+        raise_if_nonfinite("pallas_quantize_activation_groupwise", x, s)
     return q, s
 
 
@@ -209,8 +204,8 @@ def quantize_weights_batched(
     Args:
       weights: ``{name: array}`` or a list of arrays; each ``[..., N, K]`` float (HF layout ``[out, in]``).
       block_size, ue8m0, recipe: as in :func:`~fp8rl_jax.fp8.quant.quantize_weight_blockwise`.
-      backend: ``"auto"`` (Pallas on a CUDA GPU, jnp otherwise), ``"jnp"``, ``"pallas"`` (interpret mode off
-        GPU) .
+      backend: ``"auto"`` (Pallas where lowered for CUDA, jnp elsewhere: :func:`fp8rl_jax.fp8.kernels.choose`),
+        ``"jnp"``, ``"pallas"`` (interpret mode where not lowered for CUDA).
       check: raise ``ValueError`` naming the first tensor with NaN/inf (eager calls only).
       stack: stack same-shaped 2-D weights into one call (see above); ``False``: one call per weight, no copies.
 
@@ -223,9 +218,9 @@ def quantize_weights_batched(
     """
     if backend not in ("auto", "jnp", "pallas"):
         raise ValueError(f"backend must be 'auto', 'jnp' or 'pallas', got {backend!r}")
-    use_pallas = backend == "pallas" or (backend == "auto" and gpu_lowering_available())
     bn, bk = _block_pair(block_size)
     recipe = recipe or WEIGHT_RECIPE
+    kw = dict(bn=bn, bk=bk, ue8m0=bool(ue8m0), fp8_dtype=jnp.dtype(E4M3), fp8_max=E4M3_MAX, recipe=recipe)
     items, kind = _as_items(weights)
     groups: dict[tuple, list] = {}
     for key, w in items:
@@ -243,24 +238,33 @@ def quantize_weights_batched(
             batch = members[0][1].reshape(-1, *shape[-2:])
         else:
             batch = jnp.stack([w for _, w in members])
-        if use_pallas:
-            q, s = _pallas_quantize_3d(batch, bn=bn, bk=bk, per_row=False, ue8m0=bool(ue8m0), fp8_dtype=jnp.dtype(E4M3),
-                                       fp8_max=E4M3_MAX, recipe=recipe, interpret=not gpu_lowering_available())
-        else:
-            q, s = _quantize_blocks(batch, bn=bn, bk=bk, ue8m0=bool(ue8m0), fp8_dtype=jnp.dtype(E4M3),
-                                    fp8_max=E4M3_MAX, recipe=recipe)
+        q, s = _quantize_stack(batch, backend, kw)
         if len(members) == 1:
             results = [(q.reshape(shape), s.reshape(*shape[:-2], *s.shape[-2:]))]
         else:
             results = [(q[i], s[i]) for i in range(len(members))]
         for (key, wi), (qi, si) in zip(members, results):
             if check:
-                raise_if_nonfinite(f"quantize_weights_batched[{key!r}]", wi, si,
-                                   scale_propagates_nan=use_pallas and gpu_lowering_available())
+                raise_if_nonfinite(f"quantize_weights_batched[{key!r}]", wi, si)
             out[key] = (qi, si)
     if kind == "mapping":
         return {key: out[key] for key, _ in items}
     return [out[i] for i in range(len(items))]
+
+
+def _quantize_stack(batch, backend: str, kw: dict):
+    """Blockwise quantization of a ``[L, N, K]`` stack by ``backend`` (``"auto"``: the Pallas kernel where the
+    program is lowered for CUDA, jnp elsewhere, :func:`fp8rl_jax.fp8.kernels.choose`; ``"pallas"``: the kernel,
+    interpret mode off CUDA; ``"jnp"``)."""
+    def jnp_path(b):
+        return _quantize_blocks(b, **kw)
+
+    if backend == "jnp":
+        return jnp_path(batch)
+    if backend == "pallas":
+        return _quantize_3d_on_platform(batch, None, per_row=False, **kw)
+    return choose("quant", batch, kernel=functools.partial(_pallas_quantize_3d, per_row=False, interpret=False, **kw),
+                  xla=jnp_path)
 
 
 def concat_rows(arrays) -> jax.Array:
@@ -337,7 +341,8 @@ def quantize_weights_fused(parts, block_size: tuple[int, int] | int = BLOCK_SIZE
       parts: ``[N_i, K]`` float arrays (HF ``[out, in]``) with the same K, each ``N_i`` a multiple of the block
         height.
       block_size, ue8m0, recipe: as :func:`~fp8rl_jax.fp8.quant.quantize_weight_blockwise`.
-      backend: ``"auto"`` (Pallas on a CUDA GPU, jnp otherwise), ``"jnp"`` or ``"pallas"`` (interpret mode off GPU).
+      backend: ``"auto"`` (Pallas where lowered for CUDA, jnp elsewhere), ``"jnp"`` or ``"pallas"`` (interpret mode
+        where not lowered for CUDA).
 
     Returns:
       ``(q [sum N_i, K] e4m3, scale_inv [sum N_i / bn, ceil(K / bk)] float32)``.
@@ -362,21 +367,67 @@ def quantize_weights_fused(parts, block_size: tuple[int, int] | int = BLOCK_SIZE
     if len({p.shape[1] for p in parts}) != 1:
         raise ValueError(f"quantize_weights_fused: parts have different K {[p.shape[1] for p in parts]}")
     recipe = recipe or WEIGHT_RECIPE
-    use_pallas = backend == "pallas" or (backend == "auto" and gpu_lowering_available())
-    if not use_pallas:
+    parts = tuple(parts)
+
+    def jnp_path(ps):
         qs = [_quantize_blocks(p, bn=bn, bk=bk, ue8m0=bool(ue8m0), fp8_dtype=jnp.dtype(E4M3), fp8_max=E4M3_MAX,
-                               recipe=recipe) for p in parts]
+                               recipe=recipe) for p in ps]
         return concat_rows([q for q, _ in qs]), jnp.concatenate([s for _, s in qs], axis=0)
-    interpret = not gpu_lowering_available()
-    k = parts[0].shape[1]
-    _, k_pad = padded_tile_shape(bn, k, bn, bk)
-    total = sum(p.shape[0] for p in parts)
-    q = s = None
-    row_block = 0
-    for p in parts:
-        if k_pad != k:  # ragged K: zero-pad to whole tiles, as the unfused kernel does (no tile overhangs)
-            p = jnp.pad(p, ((0, 0), (0, k_pad - k)))
-        q, s = _pallas_quantize_into(p, q, s, row_block=row_block, total_rows=total, bn=bn, bk=bk,
-                                     ue8m0=bool(ue8m0), recipe=recipe, interpret=interpret)
-        row_block += p.shape[0] // bn
-    return (q[:, :k] if k_pad != k else q), s
+
+    def pallas_path(ps, interpret):
+        k = ps[0].shape[1]
+        _, k_pad = padded_tile_shape(bn, k, bn, bk)
+        total = sum(p.shape[0] for p in ps)
+        q = s = None
+        row_block = 0
+        for p in ps:
+            if k_pad != k:  # ragged K: zero-pad to whole tiles, as the unfused kernel does (no tile overhangs)
+                p = jnp.pad(p, ((0, 0), (0, k_pad - k)))
+            q, s = _pallas_quantize_into(p, q, s, row_block=row_block, total_rows=total, bn=bn, bk=bk,
+                                         ue8m0=bool(ue8m0), recipe=recipe, interpret=interpret)
+            row_block += p.shape[0] // bn
+        return (q[:, :k] if k_pad != k else q), s
+
+    if backend == "jnp":
+        return jnp_path(parts)
+    kernel = functools.partial(pallas_path, interpret=False)
+    if backend == "pallas":
+        return run_pallas(pallas_path, parts)
+    return choose("quant", parts, kernel=kernel, xla=jnp_path)
+
+
+def _selftest_quant() -> None:
+    """Self-test of the ``quant`` family (:mod:`fp8rl_jax.fp8.kernels`): the compiled kernel on the default (CUDA)
+    device against the jnp quantizer on the CPU (bit-exact against the numpy and vLLM references there), for
+    ragged bf16/float32 weights (128x128 blocks) and activations (1x128 groups), bit for bit.
+
+    Raises:
+      KernelMismatch: values or scales differ (counts in the message).
+    """
+    import numpy as np
+
+    cpu = jax.devices("cpu")[0]
+    rng = np.random.default_rng(0)
+    cases = [((2, 200, 300), jnp.bfloat16, False), ((1, 130, 257), jnp.float32, False), ((1, 70, 300), jnp.bfloat16, True)]
+    for shape, dtype, per_row in cases:
+        w = rng.standard_normal(shape).astype(np.float32) * np.logspace(-3, 2, shape[-1], dtype=np.float32)
+        x = jnp.asarray(w, dtype)
+        recipe = ACTIVATION_RECIPE if per_row else WEIGHT_RECIPE
+        bn = 32 if per_row else 128
+        q, s = _pallas_quantize_3d(x, bn=bn, bk=128, per_row=per_row, ue8m0=False, fp8_dtype=jnp.dtype(E4M3),
+                                   fp8_max=E4M3_MAX, recipe=recipe, interpret=False)
+        xc = jax.device_put(np.asarray(x), cpu)
+        if per_row:
+            rq, rs = _quantize_groups(xc, group_size=128, ue8m0=False, fp8_dtype=jnp.dtype(E4M3), fp8_max=E4M3_MAX,
+                                      recipe=recipe)
+        else:
+            rq, rs = _quantize_blocks(xc, bn=128, bk=128, ue8m0=False, fp8_dtype=jnp.dtype(E4M3), fp8_max=E4M3_MAX,
+                                      recipe=recipe)
+        dq = int(np.sum(np.asarray(q).view(np.uint8) != np.asarray(rq).view(np.uint8)))
+        ds = int(np.sum(np.asarray(s).reshape(-1) != np.asarray(rs).reshape(-1)))
+        if dq or ds:
+            raise KernelMismatch(f"{'activation' if per_row else 'weight'} {shape} {jnp.dtype(dtype).name}: {dq} of "
+                                 f"{q.size} e4m3 values and {ds} of {s.size} scales differ from the reference")
+
+
+register_selftest("quant", _selftest_quant)

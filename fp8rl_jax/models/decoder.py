@@ -36,8 +36,8 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from fp8rl_jax.fp8.kv_cache import dequantize_kv, is_fp8_cache, quantize_kv
-from fp8rl_jax.fp8.pallas_attention import decode_kernel_choice, fp8_kv_decode_attention
-from fp8rl_jax.models.attention_impl import resolve_attention_implementation
+from fp8rl_jax.fp8.pallas_attention import decode_kernel_choice, fp8_kv_attention_dispatch, fp8_kv_decode_attention
+from fp8rl_jax.models.attention_impl import dot_product_attention_dispatch
 from fp8rl_jax.models.config import ModelConfig
 from fp8rl_jax.models.experts import expert_names, is_expert_stack_name, stack_expert_tensors
 from fp8rl_jax.models.layers import LINEAR_PRECISIONS, MLP, Linear, RMSNorm  # noqa: F401 (re-exported)
@@ -218,7 +218,6 @@ class Attention(nnx.Module):
             amax = lambda a: jnp.max(jnp.abs(a.astype(jnp.float32)), axis=(-2, -1))  # noqa: E731  [B, S]
             qkv_absmax = jax.lax.stop_gradient(jnp.stack([amax(q), amax(k), amax(v)]))
         new_kv = None
-        qk_scale = None  # set when QK^T runs on e4m3 values (FP8 attention)
         if cache_kv is not None:
             ck, cv = cache_kv[0], cache_kv[1]
             ks, vs, qs = (tuple(cache_kv[2:]) + (None, None, None))[:3]
@@ -227,43 +226,66 @@ class Attention(nnx.Module):
                     raise ValueError("an fp8_e4m3 KV cache needs k_scale and v_scale")
                 ck = jax.lax.dynamic_update_slice(ck, quantize_kv(k, ks), (0, cache_index, 0, 0))
                 cv = jax.lax.dynamic_update_slice(cv, quantize_kv(v, vs), (0, cache_index, 0, 0))
-                kernel, interpret = decode_kernel_choice(getattr(self, "kv_attention", "auto"), s, ck.shape)
-                if kernel:  # decode on CUDA: the e4m3 cache is read and dequantized inside the attention kernel
-                    out = fp8_kv_decode_attention(q[:, 0], ck, cv, ks, vs, kv_mask, q_slots[:, 0], q_scale=qs,
-                                                  interpret=interpret).reshape(b, s, self.num_heads * self.head_dim)
-                    return checkpoint_name(self.o_proj(out), OUT_PROJ), (ck, cv), qkv_absmax
-                v = dequantize_kv(cv, vs, self.dtype)
-                if qs is not None:
-                    q, k, qk_scale = quantize_kv(q, qs).astype(jnp.float32), ck.astype(jnp.float32), qs * ks
-                else:
-                    k = dequantize_kv(ck, ks, self.dtype)
-            else:
-                ck = jax.lax.dynamic_update_slice(ck, k.astype(ck.dtype), (0, cache_index, 0, 0))
-                cv = jax.lax.dynamic_update_slice(cv, v.astype(cv.dtype), (0, cache_index, 0, 0))
-                k, v = ck.astype(self.dtype), cv.astype(self.dtype)
+
+                def materialized(q_, ck_, cv_):
+                    return self._fp8_cache_attention(q_, ck_, cv_, ks, vs, qs, kv_mask, q_slots)
+
+                mode = decode_kernel_choice(getattr(self, "kv_attention", "auto"), s, ck.shape)
+                if mode is None:
+                    out = materialized(q, ck, cv)
+                else:  # decode: the e4m3 cache is read and dequantized inside the attention kernel (CUDA)
+                    def kernel(q_, ck_, cv_, *, interpret):
+                        return fp8_kv_decode_attention(q_[:, 0], ck_, cv_, ks, vs, kv_mask, q_slots[:, 0], q_scale=qs,
+                                                       interpret=interpret).reshape(b, s, self.num_heads * self.head_dim)
+
+                    out = fp8_kv_attention_dispatch(mode, q, ck, cv, kernel=kernel, xla=materialized)
+                return checkpoint_name(self.o_proj(out), OUT_PROJ), (ck, cv), qkv_absmax
+            ck = jax.lax.dynamic_update_slice(ck, k.astype(ck.dtype), (0, cache_index, 0, 0))
+            cv = jax.lax.dynamic_update_slice(cv, v.astype(cv.dtype), (0, cache_index, 0, 0))
+            k, v = ck.astype(self.dtype), cv.astype(self.dtype)
             new_kv = (ck, cv)
+        out = self._attend(q, k, v, None, kv_mask, q_slots, cache_kv is not None)
+        return checkpoint_name(self.o_proj(out), OUT_PROJ), new_kv, qkv_absmax
+
+    def _fp8_cache_attention(self, q, ck, cv, ks, vs, qs, kv_mask, q_slots):
+        """Attention over an e4m3 cache with the cache dequantized (``fp8 * scale``) before the product; with a
+        ``q_scale`` the queries are quantized too and ``QK^T`` runs on e4m3 values. Returns ``[B, S, H * D]``."""
+        v = dequantize_kv(cv, vs, self.dtype)
+        if qs is not None:
+            return self._attend(quantize_kv(q, qs).astype(jnp.float32), ck.astype(jnp.float32), v, qs * ks, kv_mask,
+                                q_slots, True)
+        return self._attend(q, dequantize_kv(ck, ks, self.dtype), v, None, kv_mask, q_slots, True)
+
+    def _attend(self, q, k, v, qk_scale, kv_mask, q_slots, has_cache):
+        """Masked attention of ``q [B, S, H, D]`` over ``k, v [B, T, H_kv, D]`` -> ``[B, S, H * D]`` (see
+        :meth:`forward`); ``qk_scale``: FP8 attention's ``q_scale * k_scale`` (None: plain attention)."""
+        b, s = q.shape[:2]
         t = k.shape[1]
         allowed = kv_mask[:, None, :] & (jnp.arange(t)[None, None, :] <= q_slots[:, :, None])  # [B, S, T]
-        # float16 stays on the einsum: JAX's XLA attention requests the F16_F16_F32 dot algorithm, which XLA:CPU
-        # rejects at compile time ("not supported by dot_general on CPU"); the numerics are the same.
-        impl = resolve_attention_implementation(self.attention_implementation, q.dtype, self.head_dim, s, t,
-                                                cache_kv is not None)
-        fp16_xla = q.dtype == jnp.float16 and impl is None
-        if qk_scale is None and not fp16_xla:
-            out = jax.nn.dot_product_attention(q, k.astype(q.dtype), v.astype(q.dtype), mask=allowed[:, None],
-                                               implementation=impl)
-            out = out.reshape(b, s, self.num_heads * self.head_dim)
-        else:  # FP8 attention: QK^T on e4m3 values (held in float32), rescaled by q_scale * k_scale; or float16
+
+        def einsum_attention(q_, k_, v_):
+            # FP8 attention: QK^T on e4m3 values (held in float32), rescaled by q_scale * k_scale; float16 with XLA
+            # (JAX's XLA attention requests the F16_F16_F32 dot algorithm, which XLA:CPU rejects at compile time)
             g = self.num_heads // self.num_kv_heads
-            qg = q.reshape(b, s, self.num_kv_heads, g, self.head_dim)
-            scores = jnp.einsum("bskgd,btkd->bkgst", qg, k, preferred_element_type=jnp.float32)
+            qg = q_.reshape(b, s, self.num_kv_heads, g, self.head_dim)
+            scores = jnp.einsum("bskgd,btkd->bkgst", qg, k_, preferred_element_type=jnp.float32)
             if qk_scale is not None:
                 scores = scores * qk_scale
             scores = scores / math.sqrt(self.head_dim)
             scores = jnp.where(allowed[:, None, None], scores, -1e30)
             probs = jax.nn.softmax(scores, axis=-1).astype(self.dtype)
-            out = jnp.einsum("bkgst,btkd->bskgd", probs, v).reshape(b, s, self.num_heads * self.head_dim)
-        return checkpoint_name(self.o_proj(out), OUT_PROJ), new_kv, qkv_absmax
+            return jnp.einsum("bkgst,btkd->bskgd", probs, v_)
+
+        def attention(impl):
+            return lambda q_, k_, v_: jax.nn.dot_product_attention(
+                q_, k_.astype(q_.dtype), v_.astype(q_.dtype), mask=allowed[:, None], implementation=impl)
+
+        if qk_scale is not None:
+            out = einsum_attention(q, k, v)
+        else:
+            xla = einsum_attention if q.dtype == jnp.float16 else attention(None)
+            out = dot_product_attention_dispatch(self.attention_implementation, q, k, v, has_cache, attention, xla)
+        return out.reshape(b, s, self.num_heads * self.head_dim)
 
 
 class DecoderLayer(nnx.Module):

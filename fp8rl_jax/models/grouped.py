@@ -42,11 +42,14 @@ class TileLayout(NamedTuple):
       valid: bool ``[G * m]``: the slot holds a row (False: padding; callers feed it a zero row and drop its output,
         as :func:`grouped_matmul` does with ``mode="drop"``).
       tile_group: int32 ``[G]``: the expert (group) of each tile; padding tiles get the last group.
+      row_slot: int32 ``[R]``: the slot of each sorted row (the inverse of ``slot_row`` on the valid slots), so a
+        row's output is a gather ``y[row_slot]``, not a scatter.
     """
 
     slot_row: jax.Array
     valid: jax.Array
     tile_group: jax.Array
+    row_slot: jax.Array
 
 
 def num_tiles(num_rows: int, num_groups: int, tile_rows: int) -> int:
@@ -135,7 +138,37 @@ def tile_layout(group_sizes: jax.Array, num_rows: int, tile_rows: int) -> TileLa
     rank = (t - tile_start[grp]) * m + slot % m        # row rank within its group
     valid = (t < tile_end[-1]) & (rank < sizes[grp])
     slot_row = jnp.where(valid, row_start[grp] + rank, 0).astype(jnp.int32)
-    return TileLayout(slot_row, valid, tile_group)
+    r = jnp.arange(num_rows, dtype=jnp.int32)
+    row_grp = jnp.minimum(jnp.searchsorted(jnp.cumsum(sizes), r, side="right"), e - 1)
+    row_slot = (tile_start[row_grp] * m + r - row_start[row_grp]).astype(jnp.int32)
+    return TileLayout(slot_row, valid, tile_group, row_slot)
+
+
+def combine_top_k(y_sorted: jax.Array, order: jax.Array, top_k: int) -> jax.Array:
+    """Sum each token's ``top_k`` expert outputs, deterministically: ``[T * k, H]`` expert-sorted rows -> ``[T, H]``.
+
+    Row ``r`` of ``y_sorted`` is pair ``order[r]`` (pair ``p`` = token ``p // k``, slot ``p % k``). The rows are
+    gathered back into pair order (``order``'s inverse permutation, a scatter of unique indices) and summed over the
+    ``k`` slots by one reduction: the same additions in the same order on every run. ``zeros.at[token].add(y)``
+    computes the same sum but becomes an atomic scatter-add on a GPU, whose order (and so the rounded result, hence
+    the logprobs) changes from run to run.
+
+    Args:
+      y_sorted: ``[T * k, H]``. order: int ``[T * k]``, a permutation (the expert sort of the pairs).
+      top_k: ``k``.
+
+    Returns:
+      ``[T, H]`` in ``y_sorted.dtype``.
+
+    Raises:
+      ValueError: ``order`` does not match ``y_sorted``'s rows or they are not a multiple of ``k``.
+    """
+    rows = y_sorted.shape[0]
+    if order.shape != (rows,) or rows % top_k:
+        raise ValueError(f"combine_top_k: order {tuple(order.shape)} must be [{rows}] and {rows} rows a multiple of "
+                         f"top_k={top_k}")
+    inv = jnp.zeros((rows,), jnp.int32).at[order].set(jnp.arange(rows, dtype=jnp.int32), unique_indices=True)
+    return jnp.sum(y_sorted[inv].reshape(rows // top_k, top_k, -1), axis=1, dtype=y_sorted.dtype)
 
 
 def tiled_dot(x_tiles: jax.Array, w_tiles: jax.Array, *, dot_general: Callable | None = None,
@@ -198,6 +231,4 @@ def grouped_matmul(xs: jax.Array, w: jax.Array, group_sizes: jax.Array, *, tile_
     x = jnp.where(lay.valid[:, None], xs[lay.slot_row], jnp.zeros((), xs.dtype))
     y = tiled_dot(x.reshape(-1, m, k), w[lay.tile_group], dot_general=dot_general,
                   preferred_element_type=preferred_element_type).reshape(-1, n)
-    # each row's slot: scatter the slots back (padding slots are dropped)
-    dest = jnp.where(lay.valid, lay.slot_row, r)
-    return jnp.zeros((r, n), y.dtype).at[dest].set(y, mode="drop")
+    return y[lay.row_slot]  # each row's slot (padding slots are never read)

@@ -43,8 +43,9 @@ the routed rows under ``shard_map``) is not built. With FP8 experts the W8A8 blo
 :func:`fp8rl_jax.fp8.w8a8_block_matmul`'s dequantize path: activations are quantized per token in 1x128 groups
 (vLLM ``QuantFP8`` native rounding), weights are the dequantized e4m3 blocks, products accumulate in float32; on a
 CUDA GPU the grouped Pallas kernel (:func:`fp8rl_jax.fp8.pallas_grouped.grouped_w8a8_matmul`) reads the e4m3
-stacks as they are (gate and up as one ``[E, 2I, hidden]`` operand when ``I`` is a multiple of 128: a
-concatenation of the two stacks per call). The router always stays dense in ``param_dtype`` (bf16 in rollout), as
+stacks as they are (gate and up as two products: no per-call concatenation of the stacks). Each token's k expert
+outputs are summed by :func:`fp8rl_jax.models.grouped.combine_top_k` (a gather and one reduction), not by a
+scatter-add, so the result (and the logprobs) do not change from run to run on a GPU, where a scatter-add is atomic. The router always stays dense in ``param_dtype`` (bf16 in rollout), as
 verl's FP8 rollout keeps ``mlp.gate`` in its ignored layers. When a training-precision ``dot_general`` is set on
 the expert projections (FP8 training, :mod:`fp8rl_jax.trainer.precision`), the experts always run tiled with that
 product on the ``[G, m, K] x [G, N, K]`` tiles (each routed row once; each tile's weight quantized in its own
@@ -67,9 +68,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from fp8rl_jax.fp8 import dequantize_weight_blockwise, fake_quantize_activation
+from fp8rl_jax.fp8.kernels import choose
 from fp8rl_jax.models.config import ModelConfig
 from fp8rl_jax.models.experts import StackedExperts
-from fp8rl_jax.models.grouped import choose_tile_rows, prefer_tiled, tile_layout, tiled_dot
+from fp8rl_jax.models.grouped import choose_tile_rows, combine_top_k, prefer_tiled, tile_layout, tiled_dot
 from fp8rl_jax.models.layers import Linear
 
 
@@ -182,42 +184,27 @@ class SparseMoeBlock(nnx.Module):
                                       linear_precision=linear_precision, param_dtype=param_dtype, dtype=dtype,
                                       rngs=rngs)
 
-    #: FP8 experts: ``"auto"`` (the grouped Pallas kernel on a CUDA GPU, dequantized ``ragged_dot`` elsewhere),
-    #: ``"pallas"`` (always the kernel; interpret mode off the GPU) or ``"ragged_dot"``.
+    #: FP8 experts: ``"auto"`` (the grouped Pallas kernel where the program is lowered for CUDA, the XLA path
+    #: below elsewhere: :func:`fp8rl_jax.fp8.kernels.choose`, family ``grouped_experts``), ``"pallas"`` (always the
+    #: kernel; interpret mode where not lowered for CUDA) or ``"ragged_dot"`` (never the kernel).
     fp8_expert_impl: str = "auto"
-
-    def _fp8_kernel(self) -> bool:
-        if self.precision != "fp8":
-            return False
-        impl = self.fp8_expert_impl
-        if impl not in ("auto", "pallas", "ragged_dot"):
-            raise ValueError(f"fp8_expert_impl must be 'auto', 'pallas' or 'ragged_dot', got {impl!r}")
-        if impl == "auto":
-            from fp8rl_jax.fp8.dot_general import default_impl
-
-            return default_impl() == "pallas"
-        return impl == "pallas"
 
     def _fp8_grouped_experts(self, xs: jax.Array, group_sizes: jax.Array) -> jax.Array:
         """Expert SwiGLU on rows grouped by expert with the grouped W8A8 kernel (e4m3 weights read as they are).
 
-        ``xs [T*k, hidden]`` sorted by expert, ``group_sizes [E]`` -> ``[T*k, hidden]`` in ``dtype``. gate and up
-        run as one fused ``[E, 2I, hidden]`` product when ``I`` is a multiple of 128 (vLLM's ``w13``), since their
-        128-row scale blocks then do not straddle the two.
+        ``xs [T*k, hidden]`` sorted by expert, ``group_sizes [E]`` -> ``[T*k, hidden]`` in ``dtype``. gate and up run
+        as two grouped products reading the stacks in place: a fused ``[E, 2I, hidden]`` operand (vLLM's ``w13``)
+        would have to be concatenated per call (a copy of both stacks, ~0.4 GB per layer at Qwen3-30B-A3B), which
+        costs far more than reading the routed rows twice.
         """
         from fp8rl_jax.fp8.pallas_grouped import grouped_w8a8_matmul
 
         ex = self.experts
         (qg, sg), (qu, su), (qd, sd) = ((p.weight[...], p.weight_scale_inv[...])
                                         for p in (ex.gate_proj, ex.up_proj, ex.down_proj))
-        inter, bs = qg.shape[1], ex.gate_proj.block_size
-        if inter % bs == 0:
-            gu = grouped_w8a8_matmul(xs, group_sizes, jnp.concatenate([qg, qu], axis=1),
-                                     jnp.concatenate([sg, su], axis=1), block_size=bs, out_dtype=jnp.float32)
-            g, u = gu[:, :inter], gu[:, inter:]
-        else:
-            g = grouped_w8a8_matmul(xs, group_sizes, qg, sg, block_size=bs, out_dtype=jnp.float32)
-            u = grouped_w8a8_matmul(xs, group_sizes, qu, su, block_size=bs, out_dtype=jnp.float32)
+        bs = ex.gate_proj.block_size
+        g = grouped_w8a8_matmul(xs, group_sizes, qg, sg, block_size=bs, out_dtype=jnp.float32)
+        u = grouped_w8a8_matmul(xs, group_sizes, qu, su, block_size=bs, out_dtype=jnp.float32)
         h = jax.nn.silu(g.astype(self.dtype)) * u.astype(self.dtype)
         return grouped_w8a8_matmul(h, group_sizes, qd, sd, block_size=bs, out_dtype=self.dtype)
 
@@ -284,9 +271,8 @@ class SparseMoeBlock(nnx.Module):
         h = jax.nn.silu(g.astype(self.dtype)) * u.astype(self.dtype)
         hs = self._act_in(h.reshape(-1, h.shape[-1]))
         y = self._tile_proj(ex.down_proj, hs.reshape(h.shape), lay.tile_group, acc).astype(self.dtype)
-        y = y.reshape(-1, hidden) * weights.reshape(-1)[pair][:, None]
-        y = jnp.where(keep, y, jnp.zeros((), self.dtype))
-        return jnp.zeros((t, hidden), self.dtype).at[token].add(y)
+        y = y.reshape(-1, hidden)[lay.row_slot] * weights.reshape(-1)[order][:, None]  # sorted rows
+        return combine_top_k(y, order, self.top_k)
 
     def router(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """``x [T, hidden]`` -> ``(router_logits [T, E] dtype, weights [T, k] float32, expert_ids [T, k] int32)``.
@@ -337,31 +323,64 @@ class SparseMoeBlock(nnx.Module):
         weights, ids, router_ids = route_with_replay(logits, self.top_k, self.norm_topk_prob, rep)
         router_ids = router_ids.reshape(shape[:-1] + (self.top_k,))
         weights = weights.astype(self.dtype)  # HF casts the top-k weights back to the logits dtype
-        ex = self.experts
         flat = ids.reshape(-1)                                  # [T*k] expert of each (token, slot)
         order = jnp.argsort(flat, stable=True)                  # group pairs by expert
         group_sizes = jnp.bincount(flat, length=self.num_experts).astype(jnp.int32)
-        if self._fp8_kernel():
-            token = order // self.top_k                         # token of each sorted pair
-            y = self._fp8_grouped_experts(xt[token], group_sizes)
-            y = y * weights.reshape(-1)[order][:, None]
-            out = jnp.zeros((t, shape[-1]), self.dtype).at[token].add(y)
-            return out.reshape(shape), router_ids
-        if ex.gate_proj.dot_general is not None or self._grouped_impl(t * self.top_k) == "tiled":
-            out = self._tiled_experts(xt, weights, order, group_sizes)
-            return out.reshape(shape), router_ids
-        token = order // self.top_k
+        args = (xt, weights, order, group_sizes)
+        impl = self.fp8_expert_impl
+        if impl not in ("auto", "pallas", "ragged_dot"):
+            raise ValueError(f"fp8_expert_impl must be 'auto', 'pallas' or 'ragged_dot', got {impl!r}")
+        if self.precision != "fp8" or impl == "ragged_dot":
+            out = self._xla_experts(*args)
+        elif impl == "pallas":
+            out = self._kernel_experts(*args)
+        else:
+            out = choose("grouped_experts", *args, kernel=self._kernel_experts, xla=self._xla_experts)
+        return out.reshape(shape), router_ids
+
+    def _kernel_experts(self, xt, weights, order, group_sizes) -> jax.Array:
+        """FP8 experts with the grouped W8A8 kernel (:meth:`_fp8_grouped_experts`), combined per token."""
+        y = self._fp8_grouped_experts(xt[order // self.top_k], group_sizes)
+        return combine_top_k(y * weights.reshape(-1)[order][:, None], order, self.top_k)
+
+    def _xla_experts(self, xt, weights, order, group_sizes) -> jax.Array:
+        """The experts without our kernels: tiled (:meth:`_tiled_experts`) or ``ragged_dot``, combined per token."""
+        ex = self.experts
+        if ex.gate_proj.dot_general is not None or self._grouped_impl(order.shape[0]) == "tiled":
+            return self._tiled_experts(xt, weights, order, group_sizes)
         acc = jnp.float32 if self.precision == "fp8" else self.dtype
         wg, wu, wd = (p.stacked_kn(self.dtype) for p in (ex.gate_proj, ex.up_proj, ex.down_proj))
-        xs = self._act_in(xt[token])
+        xs = self._act_in(xt[order // self.top_k])
         g = jax.lax.ragged_dot(xs, wg.astype(xs.dtype), group_sizes, preferred_element_type=acc)
         u = jax.lax.ragged_dot(xs, wu.astype(xs.dtype), group_sizes, preferred_element_type=acc)
         h = (jax.nn.silu(g.astype(self.dtype)) * u.astype(self.dtype))
         hs = self._act_in(h)
         y = jax.lax.ragged_dot(hs, wd.astype(hs.dtype), group_sizes, preferred_element_type=acc).astype(self.dtype)
-        y = y * weights.reshape(-1)[order][:, None]
-        out = jnp.zeros((t, shape[-1]), self.dtype).at[token].add(y)
-        return out.reshape(shape), router_ids
+        return combine_top_k(y * weights.reshape(-1)[order][:, None], order, self.top_k)
+
+
+#: ``expert_impl`` values of :func:`set_expert_impl` (engine and trainer)
+EXPERT_IMPLS = ("auto", "pallas", "tiled", "ragged_dot")
+
+
+def set_expert_impl(model: nnx.Module, impl: str) -> str:
+    """Set how every :class:`SparseMoeBlock` of ``model`` runs its experts; returns ``impl``.
+
+    ``"auto"``: FP8 experts take the grouped Pallas kernel where the program is lowered for CUDA
+    (:func:`fp8rl_jax.fp8.kernels.choose`), and otherwise tiles or ``ragged_dot``, whichever moves fewer elements;
+    ``"pallas"``: FP8 experts always take the kernel (interpret mode where not lowered for CUDA); ``"tiled"`` /
+    ``"ragged_dot"``: never the kernel, that XLA path.
+
+    Raises:
+      ValueError: an unknown ``impl`` (the valid ones named).
+    """
+    if impl not in EXPERT_IMPLS:
+        raise ValueError(f"expert_impl={impl!r} is not one of {EXPERT_IMPLS}")
+    for _, mod in nnx.iter_modules(model):
+        if isinstance(mod, SparseMoeBlock):
+            mod.fp8_expert_impl = impl if impl in ("auto", "pallas") else "ragged_dot"
+            mod.grouped_impl = impl if impl in ("tiled", "ragged_dot") else "auto"
+    return impl
 
 
 def tiny_qwen3_moe_config(vocab_size: int, *, hidden_size: int = 64, num_hidden_layers: int = 2,

@@ -39,6 +39,7 @@ from fp8rl_jax.fp8.pallas_attention import use_fp8_kv_kernel
 from fp8rl_jax.models.config import ModelConfig
 from fp8rl_jax.models.decoder import Attention, KVCache, left_pad, param_name, positions_from_mask
 from fp8rl_jax.models.experts import expert_names, is_expert_stack_name, split_expert_stacks
+from fp8rl_jax.models.moe import set_expert_impl
 from fp8rl_jax.models.fused import fuse_tensors, split_names, split_tensors
 from fp8rl_jax.models.loading import build_model
 from fp8rl_jax.rollout.sampling import sample_tokens
@@ -131,6 +132,9 @@ class JaxRolloutEngine:
         ``"materialize"`` always dequantizes the cache and calls ``jax.nn.dot_product_attention``; ``"pallas"``
         forces the kernel (interpret mode off a GPU), ``"interpret"`` the kernel in interpret mode (tests). Prefill
         and a bf16 cache always take the materialized path.
+      expert_impl: Qwen3-MoE experts (:class:`fp8rl_jax.models.moe.SparseMoeBlock`): ``"auto"`` (FP8: the grouped
+        Pallas kernel where lowered for CUDA; otherwise tiles or ``ragged_dot``, whichever moves fewer elements),
+        ``"pallas"`` (FP8: always the kernel), ``"tiled"`` or ``"ragged_dot"`` (never the kernel, that XLA path).
 
     Raises:
       ValueError: unknown precision or kv_cache_dtype, weights in the wrong format, ``fp8_attention`` without an
@@ -142,7 +146,8 @@ class JaxRolloutEngine:
                  prompt_bucket: int = 16, seed: int = 0, kv_cache_dtype: str = "auto",
                  kv_cache_memory_bytes: int | None = None, fp8_attention: bool = False,
                  max_model_len: int | None = None, kv_block_size: int = DEFAULT_BLOCK_SIZE,
-                 log_kv_cache: bool = True, mesh=None, fuse_projections: bool = True, kv_attention: str = "auto"):
+                 log_kv_cache: bool = True, mesh=None, fuse_projections: bool = True, kv_attention: str = "auto",
+                 expert_impl: str = "auto"):
         if precision not in ENGINE_PRECISIONS:
             raise ValueError(f"unknown rollout precision {precision!r}; expected one of {sorted(ENGINE_PRECISIONS)}")
         self.config, self.precision = config, precision
@@ -161,6 +166,8 @@ class JaxRolloutEngine:
         for _, mod in nnx.iter_modules(self.model):
             if isinstance(mod, Attention):
                 mod.kv_attention = self.kv_attention
+        #: Qwen3-MoE expert implementation (see ``expert_impl``), set on every sparse MLP block
+        self.expert_impl = set_expert_impl(self.model, expert_impl)
         #: the fused q/k/v and gate/up groups this engine runs (:class:`fp8rl_jax.models.fused.FusedProjection`)
         self.fused_projections = self.model.fused_projections
         self.cache_dtype = kv_cache_storage_dtype(self.kv_cache_dtype, dtype)

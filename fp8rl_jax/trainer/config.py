@@ -132,6 +132,15 @@ class TrainConfig:
       attention_implementation: the training forward's attention (:mod:`fp8rl_jax.models.attention_impl`):
         ``"auto"`` (cuDNN flash attention on a CUDA GPU where cuDNN supports the call, else XLA's, which
         materialises the ``[B, H, S, T]`` scores), ``"xla"`` or ``"cudnn"`` (an error where it cannot run).
+      kernels: which GPU kernels programs lowered for CUDA use (:mod:`fp8rl_jax.fp8.kernels`): None (default:
+        ``$FP8RL_KERNELS``, else ``"auto"``), ``"auto"`` (the project's Pallas kernels and cuDNN attention, each family after a
+        one-time self-test on the GPU that falls back to XLA with a warning), ``"xla"`` (XLA everywhere: the escape
+        hatch) or ``"pallas"`` (the kernels without the self-test). CPU runs are unaffected.
+      kv_attention: the embedded engine's decode attention over an FP8 KV cache
+        (:data:`fp8rl_jax.fp8.pallas_attention.KV_ATTENTION_IMPLS`: ``"auto"``, ``"materialize"``, ``"pallas"``,
+        ``"interpret"``).
+      expert_impl: Qwen3-MoE experts in the engine and the trainer (:data:`fp8rl_jax.models.moe.EXPERT_IMPLS`:
+        ``"auto"``, ``"pallas"``, ``"tiled"``, ``"ragged_dot"``; :func:`fp8rl_jax.models.moe.set_expert_impl`).
       logprobs_chunk_size: positions per chunk of the logprob/entropy computation (never a ``[B, T, vocab]``
         float32 array; :func:`fp8rl_jax.trainer.logprobs.token_logprobs`); None = all at once.
       offload_optimizer: move the optimizer state to host memory (``pinned_host``) during each rollout and back
@@ -207,6 +216,9 @@ class TrainConfig:
     remat_policy: str = "none"
     scan_layers: bool = False
     attention_implementation: str = "auto"
+    kernels: str | None = None
+    kv_attention: str = "auto"
+    expert_impl: str = "auto"
     logprobs_chunk_size: int | None = 2048
     offload_optimizer: bool = False
 
@@ -266,6 +278,13 @@ class TrainConfig:
         from fp8rl_jax.models.attention_impl import ATTENTION_IMPLS
 
         choice("attention_implementation", ATTENTION_IMPLS)
+        from fp8rl_jax.fp8.kernels import MODES
+        from fp8rl_jax.fp8.pallas_attention import KV_ATTENTION_IMPLS
+        from fp8rl_jax.models.moe import EXPERT_IMPLS
+
+        choice("kernels", (None,) + MODES)
+        choice("kv_attention", KV_ATTENTION_IMPLS)
+        choice("expert_impl", EXPERT_IMPLS)
         minibatch = self.prompts_per_step * self.samples_per_prompt // self.num_minibatches
         if self.micro_batch_size is not None and minibatch % self.micro_batch_size:
             raise ValueError(f"train.micro_batch_size={self.micro_batch_size} does not divide the minibatch of "

@@ -29,10 +29,12 @@ from flax import nnx
 from fp8rl_jax import objectives
 from fp8rl_jax.data import get_reward_fn, make_train_dataset
 from fp8rl_jax.export import ModelParamsReader, export_weights
+from fp8rl_jax.fp8.kernels import set_kernel_mode
 from fp8rl_jax.fp8.kv_cache import (KV_SCALE_CALIBRATIONS, KVScales, calibrate_kv_scales, masked_row_absmax,
                                     normalize_kv_cache_dtype)
 from fp8rl_jax.models.decoder import positions_from_mask, qkv_absmax_from_intermediates, set_qkv_capture
 from fp8rl_jax.models.loading import build_model, load_checkpoint, load_tokenizer_for
+from fp8rl_jax.models.moe import set_expert_impl
 from fp8rl_jax.parallel.loading import build_sharded_model, shard_optimizer
 from fp8rl_jax.parallel.mesh import MeshConfig, format_mesh_shape, mesh_from, mesh_shape_of
 from fp8rl_jax.rollout import verify
@@ -88,6 +90,7 @@ class RLTrainer:
     def __init__(self, config: TrainConfig, loss_config: Any = None, engine: RolloutEngine | None = None,
                  dataset: Any = None):
         self.cfg = config
+        set_kernel_mode(config.kernels)  # before anything is traced: programs lowered for CUDA pick kernels by it
         self.loss_config = loss_config if loss_config is not None else objectives.LossConfig()
         self.reward_fn = get_reward_fn(config.reward)
         minibatch = config.prompts_per_step * config.samples_per_prompt // config.num_minibatches
@@ -121,6 +124,7 @@ class RLTrainer:
         for _, mod in nnx.iter_graph(self.model):
             if hasattr(mod, "attention_implementation"):
                 mod.attention_implementation = attn_impl
+        set_expert_impl(self.model, config.expert_impl)
         apply_train_precision(self.model, config.train_precision, fp8_grad=config.fp8_train_grad)
         self.optimizer = nnx.Optimizer(self.model, wrap_optimizer(make_optimizer(config), config.train_precision),
                                        wrt=nnx.Param)
@@ -157,7 +161,8 @@ class RLTrainer:
                                       pad_token_id=self.pad_id, eos_token_ids=self.eos_ids, seed=config.seed,
                                       prompt_bucket=8, kv_cache_dtype=self.kv_cache_dtype,
                                       kv_cache_memory_bytes=config.kv_cache_memory_bytes,
-                                      fp8_attention=config.fp8_attention,
+                                      fp8_attention=config.fp8_attention, kv_attention=config.kv_attention,
+                                      expert_impl=config.expert_impl,
                                       mesh=self.mesh if self._engine_on_mesh else None)
         else:
             engine.update_weights(self.export(**_sync_options(engine)))
