@@ -14,9 +14,9 @@ preset                       vLLM function it reproduces
 ===========================  =======================================================================
 ``VLLM_BLOCK_CAST``          ``vllm.utils.deep_gemm.per_block_cast_to_fp8`` (DeepGEMM's weight cast; used
                              by vLLM's online block-FP8 weight quantization). Default for weights.
-``VLLM_GROUP_NATIVE``        ``QuantFP8(group_shape=(1, 128)).forward_native`` (``_quantize_group_native``;
-                             what vLLM runs when the custom op is compiled by Inductor). Default for
-                             activations.
+``VLLM_GROUP_NATIVE``        ``QuantFP8(group_shape=(1, 128)).forward_native`` (``_quantize_group_native``)
+                             run eagerly (vLLM's CPU path; on an H100 block-FP8 models run the CUDA group
+                             kernel, which equals ``CONTRACT``: docs/FP8.md). Default for activations.
 ``VLLM_GROUP_TRITON``        ``per_token_group_quant_fp8``'s Triton kernel (GPU only; not runnable here).
 ``VLLM_TENSOR_NATIVE``       ``QuantFP8(PER_TENSOR / PER_TOKEN).forward_native`` (dynamic scales).
 ``CONTRACT``                 DESIGN.md formula ``s = max(amax, 1e-10) / 448``, ``q = clip(x / s)``.
