@@ -15,6 +15,7 @@ from fp8rl_jax.objectives.loss import (
     LossConfig,
     RolloutCorrectionConfig,
     build_transform,
+    correction_transform,
     compute_policy_loss,
     rollout_correction_preset,
 )
@@ -70,5 +71,6 @@ __all__ = [
     "PRESETS",
     "rollout_correction_preset",
     "build_transform",
+    "correction_transform",
     "compute_policy_loss",
 ]

@@ -325,6 +325,22 @@ def build_transform(rc: RolloutCorrectionConfig):
     return chain(*parts) if parts else Identity()
 
 
+def correction_transform(config: "LossConfig"):
+    """The rollout-correction transform a :class:`LossConfig` applies: ``config.transform`` when set, followed by
+    ``OffPolicySequenceMasking(opsm_delta)`` when its ``rollout_correction.opsm_delta`` is set (a custom transform
+    replaces ``rollout_is`` / ``rollout_rs`` only, never the sequence masking); otherwise :func:`build_transform`.
+
+    Raises:
+      ValueError: invalid settings (from :func:`build_transform` / the transforms).
+    """
+    rc = config.rollout_correction
+    if config.transform is None:
+        return build_transform(rc)
+    if rc.opsm_delta is None:
+        return config.transform
+    return chain(config.transform, OffPolicySequenceMasking(rc.opsm_delta))
+
+
 @gin.configurable(module="fp8rl_jax.objectives")
 @dataclasses.dataclass(frozen=True)
 class LossConfig:
@@ -339,7 +355,8 @@ class LossConfig:
       rollout_correction: a ``RolloutCorrectionConfig``; ``None`` means ``RolloutCorrectionConfig()``
         built when this config is constructed (so gin bindings of it apply): token TIS, C = 2, decoupled.
       transform: optional custom transform (e.g. ``chain(...)``) replacing the ``rollout_is``/``rollout_rs``
-        part of ``rollout_correction`` (its ``bypass_mode``/``loss_type`` still apply).
+        part of ``rollout_correction`` (its ``bypass_mode``, ``loss_type`` and ``opsm_delta`` still apply: an
+        ``opsm_delta`` is chained after the custom transform, :func:`correction_transform`).
       compute_metrics: also return ``rollout_corr/`` mismatch metrics (``rollout_corr_metrics``).
 
     Raises:
@@ -409,7 +426,7 @@ def compute_policy_loss(logprobs, old_logprobs, rollout_logprobs, advantages, re
     elif not isinstance(config, LossConfig):
         raise ValueError(f"config must be a LossConfig or RolloutCorrectionConfig, got {type(config)}")
     rc = config.rollout_correction
-    transform = config.transform if config.transform is not None else build_transform(rc)
+    transform = correction_transform(config)
     check_same_shape(
         logprobs=logprobs, old_logprobs=old_logprobs, rollout_logprobs=rollout_logprobs, response_mask=response_mask
     )
@@ -439,7 +456,7 @@ def compute_policy_loss(logprobs, old_logprobs, rollout_logprobs, advantages, re
         loss, metrics = reinforce_loss(logprobs, behaviour, advantages, corr_m, token_weights=corr_w, **agg)
     else:
         weights = None if rc.bypass_mode else corr_w
-        if rc.bypass_mode and config.transform is None and rc.opsm_delta is not None:
+        if rc.bypass_mode and rc.opsm_delta is not None:
             # bypass PPO-clip drops the IS weights, not the OPSM keep weights (DeepSeek-V3.2's M_{i,t})
             weights = OffPolicySequenceMasking(rc.opsm_delta)(target, rollout_logprobs, m, advantages).weights
         if config.loss_mode == "gspo":

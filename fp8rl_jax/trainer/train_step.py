@@ -93,7 +93,7 @@ def check_micro_batching(loss_config) -> None:
         raise ValueError("train.micro_batch_size cannot be combined with RolloutCorrectionConfig."
                          "rollout_is_batch_normalize=True: the IS weights are normalised by the mean over the whole "
                          "minibatch, which one micro-batch does not see; set micro_batch_size=None (whole minibatch)")
-    transform = loss_config.transform if loss_config.transform is not None else objectives.build_transform(rc)
+    transform = objectives.correction_transform(loss_config)
     if not _row_local(transform):
         raise ValueError(f"train.micro_batch_size cannot be combined with the custom rollout-correction transform "
                          f"{type(transform).__name__}: micro-batching is exact only for transforms whose weights of a "
@@ -141,7 +141,7 @@ def _aggregation_weight(lp, old, b, loss_config):
     if mode == "seq-mean-token-sum-norm":
         one = jnp.ones((), jnp.float32)
         return one, jnp.zeros((), jnp.float32)
-    transform = loss_config.transform if loss_config.transform is not None else objectives.build_transform(rc)
+    transform = objectives.correction_transform(loss_config)
     m = as_mask(b["response_mask"])
     target = jax.lax.stop_gradient(lp) if rc.bypass_mode else old  # as compute_policy_loss
     corr_m = apply_transform(transform, target, b["rollout_logprobs"], m, b["advantages"]).mask
