@@ -32,7 +32,7 @@ from jax.experimental import pallas as pl
 
 from fp8rl_jax.fp8.formats import ACTIVATION_RECIPE, BLOCK_SIZE, block_amax, compute_scale, scale_values
 from fp8rl_jax.fp8.kernels import check_close, register_selftest, run_pallas
-from fp8rl_jax.fp8.pallas_gemm import pad_to_tiles, selftest_operands, w8a8_reference
+from fp8rl_jax.fp8.pallas_gemm import selftest_operands, w8a8_reference
 
 #: The fused kernel is used for ``M <= MAX_DECODE_ROWS`` (decode and small batches); larger M goes to the tiled GEMM.
 MAX_DECODE_ROWS = 64
@@ -52,18 +52,58 @@ def quantized_block_partial(xk, wk, ws_block, *, fp8_dtype, fp8_max, ptx):
     return d * xs * ws_block
 
 
-def _decode_kernel(x_ref, w_ref, ws_ref, o_ref, *, kb_split, bk, fp8_dtype, fp8_max, ptx):
+def _decode_kernel(*refs, m, bm, kb_split, bk, fp8_dtype, fp8_max, ptx, norm, gated, residual, final):
     """Program (j, s): output columns ``[j*bn, (j+1)*bn)``, K blocks ``[s*kb_split, (s+1)*kb_split)``.
 
-    x_ref ``[bm, kb_split*bk]`` float, w_ref ``[bn, kb_split*bk]`` e4m3, ws_ref ``[1, kb_split]`` float32,
-    o_ref ``[bm, bn]`` float32 (this split's partial sum)."""
-    bm, bn = o_ref.shape
+    Refs, in order: ``x [M, K]`` float (the whole, unpadded activation rows: ``bm`` rows are loaded with the rows
+    past ``M`` masked to zero, so no padded copy of ``x`` is made); with ``norm``: ``rinv [M, 1]`` float32 and the
+    RMSNorm weight ``[1, K]``; the weight tile ``[bn, kb_split*bk]`` e4m3 and its scales ``[1, kb_split]``; with
+    ``gated`` a second weight tile and scales (the ``up`` rows of a fused ``[gate; up]`` weight); with ``residual``:
+    ``r [M, N]``; the output: ``[M, N]`` in its dtype when ``final`` (one split: the epilogue runs here), else
+    ``[splits, M, N_pad]`` float32 partial sums. Stores cover the ``M`` live rows only."""
+    from jax.experimental.pallas import triton as plgpu
 
-    def body(i, acc):
-        return acc + quantized_block_partial(x_ref[:, pl.ds(i * bk, bk)], w_ref[:, pl.ds(i * bk, bk)],
-                                             ws_ref[:, pl.ds(i, 1)], fp8_dtype=fp8_dtype, fp8_max=fp8_max, ptx=ptx)
+    refs = list(refs)
+    x_ref = refs.pop(0)
+    rinv_ref, nw_ref = (refs.pop(0), refs.pop(0)) if norm else (None, None)
+    w_ref, ws_ref = refs.pop(0), refs.pop(0)
+    wu_ref, wsu_ref = (refs.pop(0), refs.pop(0)) if gated else (None, None)
+    r_ref = refs.pop(0) if residual else None
+    (o_ref,) = refs
+    j, s = pl.program_id(0), pl.program_id(1)
+    bn = w_ref.shape[0]
+    live = lax.broadcasted_iota(jnp.int32, (bm, bk), 0) < m
+    if norm:  # RMSNorm of the rows, as RMSNorm computes it: weight * (x * rsqrt(mean(x**2) + eps)) -> x's dtype
+        rinv = plgpu.load(rinv_ref.at[pl.ds(0, bm), :], mask=lax.broadcasted_iota(jnp.int32, (bm, 1), 0) < m,
+                          other=0.0)
 
-    o_ref[...] = lax.fori_loop(0, kb_split, body, jnp.zeros((bm, bn), jnp.float32))
+    def body(i, accs):
+        col = (s * kb_split + i) * bk
+        xk = plgpu.load(x_ref.at[pl.ds(0, bm), pl.ds(col, bk)], mask=live, other=0.0)
+        if norm:
+            nw = nw_ref[:, pl.ds(col, bk)].astype(jnp.float32)
+            xk = (nw * (xk.astype(jnp.float32) * rinv)).astype(xk.dtype)
+        part = functools.partial(quantized_block_partial, fp8_dtype=fp8_dtype, fp8_max=fp8_max, ptx=ptx)
+        out = (accs[0] + part(xk, w_ref[:, pl.ds(i * bk, bk)], ws_ref[:, pl.ds(i, 1)]),)
+        if gated:
+            out += (accs[1] + part(xk, wu_ref[:, pl.ds(i * bk, bk)], wsu_ref[:, pl.ds(i, 1)]),)
+        return out
+
+    zero = jnp.zeros((bm, bn), jnp.float32)
+    accs = lax.fori_loop(0, kb_split, body, (zero, zero) if gated else (zero,))
+    rows = lax.broadcasted_iota(jnp.int32, (bm, bn), 0) < m
+    if not final:
+        plgpu.store(o_ref.at[s, pl.ds(0, bm), pl.ds(j * bn, bn)], accs[0], mask=rows)
+        return
+    dt = o_ref.dtype
+    y = accs[0].astype(dt)
+    if gated:  # silu(gate) * up from the products rounded to the output dtype, in float32, rounded once
+        g, u = y.astype(jnp.float32), accs[1].astype(dt).astype(jnp.float32)
+        y = (g * jax.nn.sigmoid(g) * u).astype(dt)
+    if residual:
+        r = plgpu.load(r_ref.at[pl.ds(0, bm), pl.ds(j * bn, bn)], mask=rows, other=0.0)
+        y = (r.astype(jnp.float32) + y.astype(jnp.float32)).astype(dt)
+    plgpu.store(o_ref.at[pl.ds(0, bm), pl.ds(j * bn, bn)], y, mask=rows)
 
 
 def choose_splits(n: int, k: int, *, bn: int = BLOCK_SIZE, block_size: int = BLOCK_SIZE,
@@ -80,65 +120,123 @@ def choose_splits(n: int, k: int, *, bn: int = BLOCK_SIZE, block_size: int = BLO
 
 
 @functools.partial(jax.jit, static_argnames=("block_size", "bm", "bn", "splits", "out_dtype", "interpret",
-                                             "num_warps", "num_stages"))
-def _fused(x, wq, ws, *, block_size, bm, bn, splits, out_dtype, interpret, num_warps, num_stages):
+                                             "num_warps", "num_stages", "gated"))
+def _fused(x, wq, ws, rinv=None, norm_weight=None, residual=None, *, block_size, bm, bn, splits, out_dtype,
+           interpret, num_warps, num_stages, gated=False):
     m, k = x.shape
-    n = wq.shape[0]
+    n_all = wq.shape[0]
+    n = n_all // 2 if gated else n_all
     kb = ws.shape[1]
-    mp, np_, kp = pl.cdiv(m, bm) * bm, pl.cdiv(n, bn) * bn, kb * block_size
-    # whole tiles only; zero activation rows quantize to 0 with the eps scale and add nothing
-    x, wq, ws = pad_to_tiles(x, wq, ws, mp, np_, kp, block_size)
+    np_, kp = pl.cdiv(n, bn) * bn, kb * block_size
+    # the activation rows stay unpadded (masked loads); K and N are padded to whole tiles only when ragged (zero
+    # columns add nothing; real checkpoints' K and N are multiples of 128, so this copies nothing; a gated weight's
+    # halves are multiples of 128, checked by the caller)
+    if kp != k:
+        x = jnp.pad(x, ((0, 0), (0, kp - k)))
+        if norm_weight is not None:
+            norm_weight = jnp.pad(norm_weight, (0, kp - k))
+    if not gated and (np_, kp) != (n, k):
+        wq = jnp.pad(wq, ((0, np_ - n), (0, kp - k)))
+    elif kp != k:
+        wq = jnp.pad(wq, ((0, 0), (0, kp - k)))
+    if not gated and ws.shape[0] != pl.cdiv(np_, block_size):
+        ws = jnp.pad(ws, ((0, pl.cdiv(np_, block_size) - ws.shape[0]), (0, 0)))
     kb_split = kb // splits
     ks = kb_split * block_size
     ratio = block_size // bn
+    final = splits == 1 and np_ == n
     kwargs = {}
     if not interpret:
         from jax.experimental.pallas import triton as plgpu
 
         kwargs["compiler_params"] = plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
-    partial = pl.pallas_call(
-        functools.partial(_decode_kernel, kb_split=kb_split, bk=block_size, fp8_dtype=wq.dtype,
-                          fp8_max=float(jnp.finfo(wq.dtype).max), ptx=not interpret),
+    whole = pl.BlockSpec()  # a whole array, read or written with row masks
+    args, specs = [x], [whole]
+    if rinv is not None:
+        args += [rinv.astype(jnp.float32).reshape(m, 1), norm_weight.reshape(1, kp)]
+        specs += [whole, whole]
+    args += [wq, ws]
+    specs += [pl.BlockSpec((bn, ks), lambda j, s: (j, s)), pl.BlockSpec((1, kb_split), lambda j, s: (j // ratio, s))]
+    if gated:  # the up half of [gate; up]: rows n + j*bn, its scale rows n/128 + j // ratio
+        nt, nb = n // bn, n // block_size
+        args += [wq, ws]
+        specs += [pl.BlockSpec((bn, ks), lambda j, s: (j + nt, s)),
+                  pl.BlockSpec((1, kb_split), lambda j, s: (j // ratio + nb, s))]
+    if residual is not None and final:
+        args.append(residual)
+        specs.append(whole)
+    out_shape = (jax.ShapeDtypeStruct((m, n), out_dtype) if final
+                 else jax.ShapeDtypeStruct((splits, m, np_), jnp.float32))
+    out = pl.pallas_call(
+        functools.partial(_decode_kernel, m=m, bm=bm, kb_split=kb_split, bk=block_size, fp8_dtype=wq.dtype,
+                          fp8_max=float(jnp.finfo(wq.dtype).max), ptx=not interpret, norm=rinv is not None,
+                          gated=gated, residual=residual is not None and final, final=final),
         grid=(np_ // bn, splits),
-        in_specs=[
-            pl.BlockSpec((bm, ks), lambda j, s: (0, s)),
-            pl.BlockSpec((bn, ks), lambda j, s: (j, s)),
-            pl.BlockSpec((1, kb_split), lambda j, s: (j // ratio, s)),
-        ],
-        out_specs=pl.BlockSpec((pl.squeezed, bm, bn), lambda j, s: (s, 0, j)),
-        out_shape=jax.ShapeDtypeStruct((splits, mp, np_), jnp.float32),
+        in_specs=specs,
+        out_specs=whole,
+        out_shape=out_shape,
         interpret=interpret,
         name="fp8_w8a8_decode_splitk",
         **kwargs,
-    )(x, wq, ws)
-    y = partial[0] if splits == 1 else jnp.sum(partial, axis=0)
-    return y[:m, :n].astype(out_dtype)
+    )(*args)
+    if final:
+        return out
+    y = (out[0] if splits == 1 else jnp.sum(out, axis=0))[:, :n].astype(out_dtype)
+    return y if residual is None else (residual.astype(jnp.float32) + y.astype(jnp.float32)).astype(out_dtype)
+
+
+def decode_tiling(n: int, k: int, *, fused_epilogue: bool, block_size: int = BLOCK_SIZE) -> tuple[int, int]:
+    """``(bn, splits)`` for the decode kernel: with a fused epilogue (gated or residual) one split and the widest
+    ``bn`` in 128/64/32/16 that still gives about one program per SM (132), so the epilogue runs in the kernel;
+    otherwise ``bn = 128`` and :func:`choose_splits`. A gated product's ``n`` is its output (half the weight rows)."""
+    if fused_epilogue:
+        for bn in (128, 64, 32, 16):
+            if -(-n // bn) >= TARGET_PROGRAMS // 2:
+                return bn, 1
+        return 16, 1
+    return block_size, choose_splits(n, k, bn=block_size, block_size=block_size)
 
 
 def fused_w8a8_decode_matmul(x: jax.Array, weight: jax.Array, weight_scale_inv: jax.Array, *,
                              block_size: int = BLOCK_SIZE, out_dtype=None, splits: int | None = None,
-                             bn: int = BLOCK_SIZE, interpret: bool | None = None, num_warps: int = 4,
-                             num_stages: int = 3) -> jax.Array:
+                             bn: int | None = None, interpret: bool | None = None, num_warps: int = 4,
+                             num_stages: int = 3, norm: tuple | None = None, gated: bool = False,
+                             residual: jax.Array | None = None) -> jax.Array:
     """W8A8 blockwise ``x @ W.T`` for small M in one kernel: quantizes ``x`` to e4m3 1x128 groups inside it.
+
+    Optionally with a decode layer's neighbours fused in (issue 29: fewer kernels per decode step):
+
+    - ``norm=(rinv, weight)``: the rows are first RMS-normalized as :class:`fp8rl_jax.models.layers.RMSNorm` does,
+      ``(weight * (x * rinv)).astype(x.dtype)`` in float32, with ``rinv [M]`` = ``rsqrt(mean(x**2) + eps)`` computed
+      by the caller (a row reduction) and ``weight [K]``;
+    - ``gated=True``: ``weight`` is a fused ``[gate; up]`` ``[2I, K]`` (vLLM's ``gate_up_proj``, ``I`` a multiple of
+      the block size) and the result is ``silu(gate) * up`` ``[M, I]``, computed in float32 from the two products
+      rounded to ``out_dtype`` and rounded once (as XLA computes the unfused
+      ``silu(gate) * up`` when it fuses it); one split: each program computes a gate and an up tile;
+    - ``residual [M, N]``: returns ``residual + y`` (``y`` rounded to ``out_dtype`` first, as ``x + linear(x)``).
 
     Args:
       x: ``[M, K]`` float32/bfloat16 activations, ``M <= 64`` advised (any M works; larger M is better served by
-        the tiled GEMM, :func:`fp8rl_jax.fp8.w8a8_block_matmul` picks).
+        the tiled GEMM, :func:`fp8rl_jax.fp8.w8a8_block_matmul` picks). The rows are read unpadded.
       weight: ``[N, K]`` e4m3 (vLLM layout); weight_scale_inv: float32 ``[ceil(N/bs), ceil(K/bs)]``.
       block_size: bs (128).
       out_dtype: result dtype (default ``x.dtype``); accumulation is float32.
-      splits: split-K factor, a divisor of ``ceil(K/bs)`` (default :func:`choose_splits`).
-      bn: output columns per program (divides ``block_size``).
+      splits: split-K factor, a divisor of ``ceil(K/bs)`` (default :func:`decode_tiling`); with one split the
+        kernel writes the result (epilogue included) itself, with more the float32 partial sums of the live rows are
+        added by one XLA reduction fused with the cast and the residual.
+      bn: output columns per program (divides ``block_size``; default :func:`decode_tiling`).
       interpret: default None: compiled where the program is lowered for CUDA, interpret mode elsewhere.
+      norm, gated, residual: the fused neighbours above.
 
     Returns:
-      ``[M, N]`` in ``out_dtype``.
+      ``[M, N]`` (``[M, N/2]`` gated) in ``out_dtype``.
 
     Raises:
       ValueError: mismatched shapes or scales, ``bn`` not dividing ``block_size``, ``splits`` not dividing the
-        number of K blocks.
+        number of K blocks, ``gated`` with more than one split or halves not a multiple of the block size.
 
-    Source: vLLM ``w8a8_block_fp8_matmul`` / DeepGEMM numerics; split-K as in CUTLASS/Triton "split-k" GEMMs.
+    Source: vLLM ``w8a8_block_fp8_matmul`` / DeepGEMM numerics; split-K as in CUTLASS/Triton "split-k" GEMMs;
+    the gated epilogue as vLLM's fused ``SiluAndMul`` after ``gate_up_proj``.
     """
     if x.ndim != 2 or weight.ndim != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"fused_w8a8_decode_matmul: x {tuple(x.shape)} must be [M, K] and weight "
@@ -149,15 +247,34 @@ def fused_w8a8_decode_matmul(x: jax.Array, weight: jax.Array, weight_scale_inv: 
     if tuple(weight_scale_inv.shape) != (-(-n // block_size), kb):
         raise ValueError(f"fused_w8a8_decode_matmul: weight_scale_inv {tuple(weight_scale_inv.shape)} does not "
                          f"match weight {tuple(weight.shape)} with block {block_size}")
+    n_out = n // 2 if gated else n
+    if gated and (n % 2 or n_out % block_size):
+        raise ValueError(f"fused_w8a8_decode_matmul(gated=True): weight rows {n} must be [gate; up] halves that are "
+                         f"multiples of {block_size}")
+    if norm is not None:
+        rinv, nw = norm
+        if tuple(jnp.shape(rinv)) not in ((m,), (m, 1)) or tuple(jnp.shape(nw)) != (k,):
+            raise ValueError(f"fused_w8a8_decode_matmul: norm=(rinv {tuple(jnp.shape(rinv))}, weight "
+                             f"{tuple(jnp.shape(nw))}) must be ([M]={m}, [K]={k})")
+    if residual is not None and tuple(residual.shape) != (m, n_out):
+        raise ValueError(f"fused_w8a8_decode_matmul: residual {tuple(residual.shape)} must be [M, N] = {(m, n_out)}")
+    tbn, tsplits = decode_tiling(n_out, k, fused_epilogue=gated or residual is not None, block_size=block_size)
+    bn = tbn if bn is None else int(bn)
     if block_size % bn:
         raise ValueError(f"bn={bn} must divide block_size={block_size}")
-    splits = choose_splits(n, k, bn=bn, block_size=block_size) if splits is None else int(splits)
+    splits = tsplits if splits is None else int(splits)
     if splits < 1 or kb % splits:
         raise ValueError(f"splits={splits} must divide the {kb} K blocks of K={k}")
+    if gated and splits != 1:
+        raise ValueError("fused_w8a8_decode_matmul(gated=True) needs splits=1 (the epilogue needs whole sums)")
     bm = int(max(16, pl.next_power_of_2(m)))
-    return run_pallas(_fused, x, weight, weight_scale_inv.astype(jnp.float32), block_size=block_size, bm=bm, bn=bn,
-                  splits=splits, out_dtype=jnp.dtype(out_dtype or x.dtype), interpret=interpret,
-                  num_warps=num_warps, num_stages=num_stages)
+    rinv, nw = (None, None) if norm is None else (jnp.asarray(norm[0]).reshape(m), jnp.asarray(norm[1]))
+    out_dtype = jnp.dtype(out_dtype or x.dtype)
+    if residual is not None:
+        residual = residual.astype(out_dtype)
+    return run_pallas(_fused, x, weight, weight_scale_inv.astype(jnp.float32), rinv, nw, residual,
+                      block_size=block_size, bm=bm, bn=bn, splits=splits, out_dtype=out_dtype, interpret=interpret,
+                      num_warps=num_warps, num_stages=num_stages, gated=bool(gated))
 
 
 def _selftest_decode_gemm(interpret: bool = False) -> None:
