@@ -90,6 +90,22 @@ def test_w8a8_block_matmul_and_pallas_gemm_agree():
         pallas_w8a8_matmul(xq, xs, wq, ws, bn=96, interpret=True)
 
 
+def test_mosaic_impl_within_fp8_bound_and_float32_of_the_quantized_product():
+    """``impl="mosaic"`` (the Mosaic GPU wgmma kernel, in Mosaic GPU's interpreter here; what "auto" runs on CUDA for
+    M > 64) through the dot_general layout handling (``nnx.Linear``'s ``[K, N]`` kernel, transposed to ``[N, K]``):
+    within the a-priori FP8 bound of the exact product and within float32 accumulation of the float64 product of the
+    quantized operands, as the other implementations (ragged M = 33, K = 257, N = 129)."""
+    x, w = _rng_arrays(33, 257, 129, seed=4)
+    y = np.asarray(dg.make_fp8_dot_general(impl="mosaic")(jnp.asarray(x), jnp.asarray(w), LINEAR_DN), np.float64)
+    ref = x.astype(np.float64) @ w.astype(np.float64)
+    assert np.all(np.abs(y - ref) <= fp8_error_bound(x, w))
+    xq, xs = quant.quantize_activation_groupwise(jnp.asarray(x))
+    wq, ws = quant.quantize_weight_blockwise(jnp.asarray(w.T))
+    xd = np.asarray(quant.dequantize_activation_groupwise(xq, xs), np.float64)
+    wd = np.asarray(quant.dequantize_weight_blockwise(wq, ws), np.float64)
+    assert np.all(np.abs(y - xd @ wd.T) <= 1e-5 * (np.abs(xd) @ np.abs(wd.T)) + 1e-30)
+
+
 def test_nnx_linear_accepts_fp8_dot_general():
     x, _ = _rng_arrays(4, 256, 1, seed=3)
     ref_layer = nnx.Linear(256, 192, rngs=nnx.Rngs(0))

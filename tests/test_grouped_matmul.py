@@ -292,3 +292,35 @@ def test_auto_picks_ragged_dot_for_decode_and_tiles_for_training():
     assert not pick(64 * 8)[0]                                         # batch-64 decode
     assert pick(128 * 8)[0]                                            # batch-128 decode: 142 tiles for 1024 rows
     assert pick(4096 * 8)[0] and pick(36864 * 8)[0]                   # prefill, a training micro-batch
+
+
+def test_fp8_training_experts_on_the_cpu_are_unchanged_by_the_cuda_tile_edge():
+    """Issue 29: where the program is lowered for CUDA the FP8 training experts use tiles of a multiple of 64 rows
+    (whole wgmma warpgroups for the Mosaic GEMMs); lowered for the CPU the program computes exactly what the
+    kernel-free path computes: forward and every gradient bit for bit equal to ``FP8RL_KERNELS=xla`` (which never
+    stages the CUDA branch), here with 8-row tiles and the e4m3 backward."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from fp8rl_jax.fp8 import kernels
+    from fp8rl_jax.fp8.training import make_fp8_train_dot_general
+
+    cfg, blk = _block("dense", seed=4)
+    dg = make_fp8_train_dot_general("e4m3")
+    for lin in (blk.experts.gate_proj, blk.experts.up_proj, blk.experts.down_proj):
+        lin.dot_general = dg
+    blk.tile_rows = 8
+    x = jnp.asarray(np.random.default_rng(10).normal(size=(21, cfg.hidden_size)).astype(np.float32))
+
+    def run():  # a fresh function per mode: the mode is read when the program is traced
+        return nnx.jit(nnx.value_and_grad(lambda m, v: jnp.sum(m(v) ** 2), argnums=(0, 1)))(blk, x)
+
+    with kernels.kernel_mode_scope("auto"):
+        loss_a, (g_a, gx_a) = run()
+    with kernels.kernel_mode_scope("xla"):
+        loss_x, (g_x, gx_x) = run()
+    assert float(loss_a) == float(loss_x)
+    np.testing.assert_array_equal(np.asarray(gx_a), np.asarray(gx_x))
+    for a, b in zip(jax.tree.leaves(nnx.state(g_a, nnx.Param)), jax.tree.leaves(nnx.state(g_x, nnx.Param))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

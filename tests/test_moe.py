@@ -252,3 +252,47 @@ def test_two_rl_steps_tiny_moe_fp8_rollout(tiny_moe_dir):
         assert np.abs(deq - w).max() <= amax / 448 * 16  # half an e4m3 ulp (32) of the top binade, in scale units
     r = "model.layers.1.mlp.gate.weight"
     assert eng[r].dtype == jnp.bfloat16 and np.array_equal(_np(eng[r]), _np(after[r].astype(jnp.bfloat16)))
+
+
+# -- FP8 experts on the Mosaic GPU kernel (issue 29) ------------------------------------------------------------
+
+
+def test_fp8_experts_on_the_mosaic_kernel_match_float64_per_token_reference():
+    """``fp8_expert_impl="mosaic"``: the routed rows in 64-row expert tiles (3 tiles for 24 rows over 3 experts),
+    quantized once per tile row in 1x128 e4m3 groups, gate / up / down as grouped Mosaic GPU GEMMs (Mosaic GPU's
+    interpreter on the CPU; on CUDA "auto" picks this path for prefill-sized row counts) == the float64 per-token
+    reference (tests/test_stacked_experts.py) on the same e4m3 weights and the numpy-quantized activations. Ragged:
+    moe_intermediate 48 (gate / up N, down K: padded to 128). Measured ~3e-7 relative: float32 accumulation; a
+    missing activation quantization, a wrong expert or scale costs percents. Router ids equal the reference's."""
+    import fp8_numpy_ref as ref
+    from fp8rl_jax.fp8 import formats
+    from test_stacked_experts import _reference
+
+    cfg = tiny_qwen3_moe_config(64, hidden_size=128, moe_intermediate_size=48, num_experts=3, num_experts_per_tok=2)
+    rng = np.random.default_rng(29)
+    blk = SparseMoeBlock(cfg, linear_precision="fp8", param_dtype=jnp.float32, dtype=jnp.float32, rngs=nnx.Rngs(0))
+    router = (rng.normal(size=(3, 128)) * 0.5).astype(np.float32)
+    blk.gate.weight[...] = jnp.asarray(router)
+    w64 = {}
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        lin = getattr(blk.experts, name)
+        w = (rng.normal(size=lin.weight.shape) * rng.uniform(0.02, 0.2, size=(3, 1, 1))).astype(np.float32)
+        q, s = ref.quantize_blocks(w, 128, 128, formats.WEIGHT_RECIPE)
+        lin.weight[...], lin.weight_scale_inv[...] = jnp.asarray(q), jnp.asarray(s)
+        w64[name] = ref.dequantize_blocks(q, s, 128, 128)
+    blk.fp8_expert_impl = "mosaic"
+    x = rng.normal(size=(12, 128)).astype(np.float32)
+    out, router_ids = blk.forward(jnp.asarray(x))
+
+    def act_q(v):
+        q, s = ref.quantize_blocks(np.asarray(v, np.float32), 1, 128, formats.ACTIVATION_RECIPE)
+        return ref.dequantize_blocks(q, s, 1, 128)
+
+    want, ids = _reference(x.astype(np.float64), router.astype(np.float64), w64["gate_proj"], w64["up_proj"],
+                           w64["down_proj"], 2, act_q)
+    np.testing.assert_array_equal(np.asarray(router_ids), ids)
+    err = np.linalg.norm(np.asarray(out, np.float64) - want) / np.linalg.norm(want)
+    assert err < 1e-5, err
+    blk.fp8_expert_impl = "cutlass"
+    with pytest.raises(ValueError, match="fp8_expert_impl"):
+        blk.forward(jnp.asarray(x))

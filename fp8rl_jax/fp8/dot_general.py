@@ -16,14 +16,17 @@ Implementations (``impl``): ``"dequant"`` dequantizes both operands (``q * s`` r
 power-of-two scales) and runs one float32 (or
 ``dequant_dtype``) matmul; the CPU default. ``"blocked"`` multiplies real e4m3 operands per K-block with
 ``lax.dot_general(..., preferred_element_type=float32)`` and applies the scales in float32.
-``"pallas"`` is the fused Pallas GEMM of :mod:`fp8rl_jax.fp8.pallas_gemm` (interpret mode where the program is not
-lowered for CUDA). ``"auto"`` is ``"pallas"`` (``"blocked"`` for e5m2 x e4m3) where the program is lowered for CUDA and
-``"dequant"`` elsewhere (:func:`fp8rl_jax.fp8.kernels.choose`). All compute the same sum; only the order of float32
-additions differs.
+``"mosaic"`` is the Mosaic GPU FP8 wgmma GEMM of :mod:`fp8rl_jax.fp8.mosaic_gemm` (Hopper's FP8 tensor cores;
+interpret mode where the program is not lowered for CUDA). ``"pallas"`` is the Pallas-Triton GEMM of
+:mod:`fp8rl_jax.fp8.pallas_gemm` (f16 ``mma.sync`` on sm_90; explicit requests only). ``"auto"``: where the program is
+lowered for CUDA, :func:`cuda_gemm_impl` picks by M (the one place): the Triton split-K decode kernel for M <= 64
+(family ``decode_gemm``), the Mosaic kernel otherwise (``w8a8_gemm``), XLA's FP8 dot per K block (``"blocked"``)
+for operands the Mosaic kernel cannot take (e5m2 x e4m3, per-tensor scales); ``"dequant"`` elsewhere
+(:func:`fp8rl_jax.fp8.kernels.choose`). All compute the same sum; only the order of float32 additions differs.
 
 Gradients: both functions are differentiable with a straight-through estimator (``custom_vjp``): the
 cotangents are those of the exact ``lax.dot_general`` on the unquantized inputs, in the inputs' precision.
-For FP8 training with bf16 or e5m2 gradients use :mod:`fp8rl_jax.fp8.training`.
+For FP8 training with bf16, e5m2 or e4m3 gradients use :mod:`fp8rl_jax.fp8.training`.
 """
 
 from __future__ import annotations
@@ -37,11 +40,13 @@ import jax.numpy as jnp
 from jax import lax
 
 from fp8rl_jax.fp8.formats import (ACTIVATION_RECIPE, BLOCK_SIZE, VLLM_TENSOR_NATIVE, WEIGHT_RECIPE, QuantRecipe,
-                                   block_amax, compute_scale, fp8_dtype, scale_values)
-from fp8rl_jax.fp8.kernels import choose
+                                   block_amax, compute_scale, fp8_dtype, scale_values, to_f32_exact)
+from fp8rl_jax.fp8 import mosaic_gemm  # registers the w8a8_gemm family's self-test; Mosaic GPU itself loads lazily
+from fp8rl_jax.fp8.kernels import choose, on_cuda
+from fp8rl_jax.fp8.pallas_decode import MAX_DECODE_ROWS
 from fp8rl_jax.fp8.quant import _quantize_blocks, _quantize_groups
 
-IMPLS = ("auto", "dequant", "blocked", "pallas")
+IMPLS = ("auto", "dequant", "blocked", "pallas", "mosaic")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -206,6 +211,41 @@ def quantize_operand(a, oq: OperandQuant, block_size: int, ue8m0: bool):
     raise ValueError(f"unknown granularity {oq.granularity!r}; expected 'group', 'block' or 'tensor'")
 
 
+def quantize_transposed(a, oq: OperandQuant, block_size: int, ue8m0: bool):
+    """Quantize ``a [B, R, C]`` in 1 x ``block_size`` groups along R (axis 1) and return it transposed, K-major:
+    the operand of a product that contracts over R (FP8 training's weight gradient contracts over the tokens).
+
+    The groups are formed in ``a``'s own layout (amax over each 128-row slab of every column, no transposed copy of
+    the wide input); only the FP8 result is transposed, so the one transposed copy is of 1-byte values (XLA may
+    also write it directly from the quantizing fusion). Same values as quantizing ``swapaxes(a, 1, 2)`` along its
+    last axis (:func:`quantize_operand` with ``granularity="group"``): the same amax, scale and rounding per element.
+
+    Args:
+      a: ``[B, R, C]`` float array.
+      oq: an :class:`OperandQuant` with ``granularity="group"``.
+      block_size: group length along R.
+      ue8m0: power-of-two scales.
+
+    Returns:
+      ``(qT [B, C, R] fp8, scales [B, C, ceil(R/bs)] float32)``.
+
+    Raises:
+      ValueError: ``oq.granularity`` is not ``"group"`` or ``a`` is not 3-D.
+    """
+    if oq.granularity != "group" or a.ndim != 3:
+        raise ValueError(f"quantize_transposed needs 1x{block_size} groups of a [B, R, C] array, got "
+                         f"{oq.granularity!r} and shape {tuple(a.shape)}")
+    dt, mx = _fmt(oq.fp8)
+    bsz, r, c = a.shape
+    rb = -(-r // block_size)
+    ap = a if rb * block_size == r else jnp.pad(a, ((0, 0), (0, rb * block_size - r), (0, 0)))
+    ap = ap.reshape(bsz, rb, block_size, c)
+    scale = compute_scale(block_amax(ap, 2), mx, ue8m0, recipe=oq.recipe)  # [B, RB, C]
+    q = scale_values(to_f32_exact(ap), scale[:, :, None, :], dt, mx, recipe=oq.recipe)
+    q = q.reshape(bsz, rb * block_size, c)[:, :r]
+    return jnp.swapaxes(q, 1, 2), jnp.swapaxes(scale, 1, 2)
+
+
 def _dequant_rows(q, row_scales, block_size, dtype):
     bsz, r, k = q.shape
     kb = row_scales.shape[-1]
@@ -218,24 +258,34 @@ def _dequant_rows(q, row_scales, block_size, dtype):
 
 
 def scaled_matmul(xq, xs, wq, ws, *, block_size: int = BLOCK_SIZE, impl: str = "dequant",
-                  dequant_dtype=jnp.float32, w_block_scales=None):
-    """``y[b, m, n] = sum_kb (xq[b, m, kb] . wq[b, n, kb]) * xs[b, m, kb] * ws[b, n, kb]`` in float32.
+                  dequant_dtype=jnp.float32, w_block_scales=None, out_dtype=jnp.float32, interpret=None):
+    """``y[b, m, n] = sum_kb (xq[b, m, kb] . wq[b, n, kb]) * xs[b, m, kb] * ws[b, n, kb]`` accumulated in float32.
 
     Args:
       xq: ``[B, M, K]`` fp8; xs: float32 ``[B, M, KB]`` (row scales).
-      wq: ``[B, N, K]`` fp8; ws: float32 ``[B, N, KB]`` (row scales, block scales repeated).
+      wq: ``[B, N, K]`` fp8; ws: float32 ``[B, N, KB]`` (row scales: a 1x128 group's scale, or a 128x128 block's
+        repeated over its rows); may be None for ``"pallas"`` / ``"mosaic"`` when ``w_block_scales`` is given.
       block_size: K-block length.
-      impl: ``"dequant"``, ``"blocked"`` or ``"pallas"`` (``"pallas"`` needs ``w_block_scales``
-        ``[B, ceil(N/bs), KB]``).
+      impl: ``"dequant"``, ``"blocked"``, ``"pallas"`` (needs ``w_block_scales`` ``[B, ceil(N/bs), KB]``) or
+        ``"mosaic"`` (the Mosaic GPU wgmma kernel: with ``w_block_scales`` its 128x128-block form, else its 1x128
+        row-scale form on ``ws``; needs one FP8 format for both operands and ``block_size == 128``).
       dequant_dtype: matmul dtype of the ``"dequant"`` path (float32 is exact for the dequantized values).
+      w_block_scales: optional ``[B, ceil(N/bs), KB]`` block scales of ``wq``.
+      out_dtype: result dtype (the Mosaic kernel writes it from its float32 accumulator; the others cast).
+      interpret: for ``"mosaic"``: None (default) compiled where the program is lowered for CUDA and Mosaic GPU's
+        interpreter elsewhere; True/False forced.
 
     Returns:
-      float32 ``[B, M, N]``.
+      ``[B, M, N]`` in ``out_dtype`` (float32 by default).
+
+    Raises:
+      ValueError: an unknown ``impl``; ``"pallas"`` without ``w_block_scales``; ``"mosaic"`` without either scale.
+      NotImplementedError: ``"mosaic"`` with two FP8 formats (Mosaic GPU's wgmma takes one).
     """
     if impl == "dequant":
         xd = _dequant_rows(xq, xs, block_size, dequant_dtype)
         wd = _dequant_rows(wq, ws, block_size, dequant_dtype)
-        return jnp.einsum("bmk,bnk->bmn", xd, wd, preferred_element_type=jnp.float32)
+        return jnp.einsum("bmk,bnk->bmn", xd, wd, preferred_element_type=jnp.float32).astype(out_dtype)
     if impl == "blocked":
         bsz, m, k = xq.shape
         n = wq.shape[1]
@@ -254,24 +304,129 @@ def scaled_matmul(xq, xs, wq, ws, *, block_size: int = BLOCK_SIZE, impl: str = "
             return acc + d * xsk[:, :, None] * wsk[:, None, :], None
 
         acc, _ = lax.scan(step, jnp.zeros((bsz, m, n), jnp.float32), (xb, wb, xsb, wsb))
-        return acc
+        return acc.astype(out_dtype)
     if impl == "pallas":
         from fp8rl_jax.fp8.pallas_gemm import pallas_w8a8_matmul
 
         if w_block_scales is None:
             raise ValueError("scaled_matmul(impl='pallas') needs w_block_scales [B, ceil(N/bs), KB]")
         return jax.vmap(lambda a, b, c, d: pallas_w8a8_matmul(a, b, c, d, block_size=block_size))(
-            xq, xs, wq, w_block_scales)
+            xq, xs, wq, w_block_scales).astype(out_dtype)
+    if impl == "mosaic":
+        if w_block_scales is None and ws is None:
+            raise ValueError("scaled_matmul(impl='mosaic') needs ws [B, N, KB] or w_block_scales [B, NB, KB]")
+        w_scales, scales = ("block", w_block_scales) if w_block_scales is not None else ("row", ws)
+        direct = jnp.dtype(out_dtype) in mosaic_gemm.OUT_DTYPES  # else float32 from the kernel, cast here
+        run = functools.partial(mosaic_gemm.batched_w8a8_matmul, block_size=block_size,
+                                out_dtype=jnp.dtype(out_dtype) if direct else jnp.float32, w_scales=w_scales)
+        if interpret is not None:
+            y = run(xq, xs, wq, scales, interpret=bool(interpret))
+        else:
+            y = on_cuda(xq, xs, wq, scales, cuda=functools.partial(run, interpret=False),
+                        default=functools.partial(run, interpret=True))
+        return y if direct else y.astype(out_dtype)
     raise ValueError(f"unknown impl {impl!r}; expected one of {IMPLS[1:]}")
 
 
-def kernel_impl(x_op: OperandQuant, w_op: OperandQuant) -> str:
-    """The implementation a CUDA program runs for these operands: ``"pallas"`` (the W8A8 GEMM kernel) for 1x128
-    groups x 128x128 blocks of one FP8 format, else ``"blocked"`` (XLA's FP8 ``dot_general`` per K-block: the
-    Pallas-Triton kernel needs equal operand types, so e5m2 gradients x e4m3 weights take XLA's FP8 dot)."""
-    if x_op.granularity == "group" and w_op.granularity == "block" and x_op.fp8 == w_op.fp8:
-        return "pallas"
-    return "blocked"
+# ----------------------------------------------------------------------------------------------------------
+# The kernel a CUDA program runs: chosen by M, in one place.
+
+#: Canonical products with at most this many rows (one batch) are decode-sized: on CUDA they take the Triton
+#: split-K decode kernel (:mod:`fp8rl_jax.fp8.pallas_decode`, family ``decode_gemm``) when it can compute them.
+DECODE_MAX_ROWS = MAX_DECODE_ROWS
+
+
+def mosaic_operands(x_op: OperandQuant, w_op: OperandQuant, block_size: int = BLOCK_SIZE) -> bool:
+    """Whether the Mosaic GPU wgmma GEMM computes this operand pair: lhs in 1 x 128 groups, rhs in 128 x 128 blocks
+    (1D2D) or 1 x 128 groups (1D1D), both in one FP8 format (Mosaic GPU's wgmma takes one element type: e5m2
+    gradients x e4m3 operands cannot be a Mosaic wgmma), ``block_size`` 128."""
+    return (block_size == BLOCK_SIZE and x_op.granularity == "group" and w_op.granularity in ("block", "group")
+            and x_op.fp8 == w_op.fp8)
+
+
+def decode_operands(x_op: OperandQuant, w_op: OperandQuant, ue8m0: bool = False) -> bool:
+    """Whether the split-K decode kernel computes this pair: it quantizes the float activations itself (1 x 128
+    groups, vLLM ``QuantFP8`` native rounding, :data:`~fp8rl_jax.fp8.formats.ACTIVATION_RECIPE`, no UE8M0) and reads
+    a weight in 128 x 128 blocks of the same FP8 format."""
+    return (x_op.granularity == "group" and w_op.granularity == "block" and x_op.fp8 == w_op.fp8
+            and x_op.recipe == ACTIVATION_RECIPE and not ue8m0)
+
+
+def cuda_gemm_impl(m: int, *, batch: int = 1, mosaic_ok: bool = True, decode_ok: bool = True) -> tuple[str, str]:
+    """The kernel a program lowered for CUDA runs for an FP8 product of ``M`` rows: the one place that decides by M.
+
+    Rules (``M`` is static), in order:
+
+    * ``M <= 64`` (:data:`DECODE_MAX_ROWS`), one batch, and operands the decode kernel computes (``decode_ok``):
+      ``("decode_gemm", "fused")``, the Triton split-K kernel with the activation quantization inside. A decode
+      GEMM streams the weight (``2 M`` FLOP per weight byte): split-K fills the 132 SMs, and the f16 ``mma.sync``
+      it compiles to costs nothing there;
+    * operands the Mosaic kernel cannot take (``mosaic_ok=False``: e5m2 x e4m3 gradients, per-tensor scales):
+      ``("w8a8_gemm", "blocked")``, XLA's FP8 ``dot_general`` per K block;
+    * everything else, ``M >= 128`` included: ``("w8a8_gemm", "mosaic")``, the Mosaic GPU kernel on e4m3 operands
+      (``wgmma...f32.e4m3.e4m3``, DeepGEMM promotion). The band ``64 < M < 128`` takes it too, with 64-row CTAs
+      and 64-column tiles (:func:`fp8rl_jax.fp8.mosaic_gemm.default_config`): the Triton decode kernel is built
+      for at most 64 rows (its whole M tile sits in registers beside the split-K accumulator) and the Triton
+      tiled GEMM it would otherwise be runs f16 ``mma.sync``; the Mosaic 64-row configuration gives
+      ``ceil(M / 64) * N / 64`` CTAs (128 at N = 4096) to stream the weight. Unmeasured (no GPU here): tune on
+      the device. Batched products (``batch > 1``: FP8 training on MoE expert tiles) always take the Mosaic
+      kernel (its grouped form, one weight per batch).
+
+    Returns:
+      ``(kernel family, impl)`` for :func:`fp8rl_jax.fp8.kernels.choose` and :func:`scaled_matmul` /
+      :func:`fp8rl_jax.fp8.linear.w8a8_block_matmul`.
+    """
+    if decode_ok and batch == 1 and m <= DECODE_MAX_ROWS:
+        return "decode_gemm", "fused"
+    if not mosaic_ok:
+        return "w8a8_gemm", "blocked"
+    return "w8a8_gemm", "mosaic"
+
+
+def quantized_matmul(xq, xs, wq, ws, *, w_scales: str = "block", impl: str = "auto", block_size: int = BLOCK_SIZE,
+                     out_dtype=jnp.float32, dequant_dtype=jnp.float32):
+    """FP8 product of pre-quantized canonical operands, ``[B, M, K] x [B, N, K] -> [B, M, N]``, kernel chosen by M.
+
+    ``y[b, m, n] = sum_kb (xq . wq)[b, m, n, kb] * xs[b, m, kb] * ws'[b, n, kb]`` in float32, ``ws'`` the scale of
+    ``wq[b, n, kb-block]``: ``ws[b, n // bs, kb]`` (``w_scales="block"``) or ``ws[b, n, kb]`` (``"row"``). With
+    ``impl="auto"``: :func:`cuda_gemm_impl` (no decode kernel: it quantizes float activations itself) where the
+    program is lowered for CUDA, ``"dequant"`` elsewhere. Used by FP8 training's e4m3 backward.
+
+    Args:
+      xq, xs: ``[B, M, K]`` FP8 and ``[B, M, KB]`` float32 scales (1 x bs groups).
+      wq, ws: ``[B, N, K]`` FP8 and ``[B, ceil(N/bs), KB]`` or ``[B, N, KB]`` float32 scales.
+      w_scales: ``"block"`` or ``"row"``.
+      impl: ``"auto"``, ``"dequant"``, ``"blocked"`` or ``"mosaic"`` (interpret mode where not lowered for CUDA).
+      block_size: bs (128).
+      out_dtype: result dtype. dequant_dtype: matmul dtype of ``"dequant"``.
+
+    Returns:
+      ``[B, M, N]`` in ``out_dtype``.
+
+    Raises:
+      ValueError: an unknown ``impl`` or ``w_scales``.
+    """
+    if w_scales not in ("block", "row"):
+        raise ValueError(f"quantized_matmul: w_scales must be 'block' or 'row', got {w_scales!r}")
+    if impl not in ("auto", "dequant", "blocked", "mosaic"):
+        raise ValueError(f"quantized_matmul: impl must be 'auto', 'dequant', 'blocked' or 'mosaic', got {impl!r}")
+    n = wq.shape[1]
+
+    def run(a, a_s, b, b_s, how, interpret=None):
+        if how == "mosaic":
+            blocks = b_s if w_scales == "block" else None
+            return scaled_matmul(a, a_s, b, None if blocks is not None else b_s, block_size=block_size, impl="mosaic",
+                                 w_block_scales=blocks, out_dtype=out_dtype, interpret=interpret)
+        rows = jnp.repeat(b_s, block_size, axis=1)[:, :n] if w_scales == "block" else b_s
+        return scaled_matmul(a, a_s, b, rows, block_size=block_size, impl=how, dequant_dtype=dequant_dtype,
+                             out_dtype=out_dtype)
+
+    if impl != "auto":
+        return run(xq, xs, wq, ws, impl)
+    same = jnp.dtype(xq.dtype) == jnp.dtype(wq.dtype) and block_size == BLOCK_SIZE
+    family, how = cuda_gemm_impl(xq.shape[1], batch=xq.shape[0], mosaic_ok=same, decode_ok=False)
+    return choose(family, xq, xs, wq, ws, kernel=lambda *a: run(*a, how, interpret=False),
+                  xla=lambda *a: run(*a, "dequant"))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -286,7 +441,7 @@ class Fp8DotConfig:
       scaling: ``"block"`` (W8A8 blockwise) or ``"tensor"`` (per-tensor scales).
       block_size: group/block length along K (and the weight block height), 128.
       ue8m0: power-of-two scales.
-      impl: ``"auto"``, ``"dequant"``, ``"blocked"`` or ``"pallas"``.
+      impl: ``"auto"``, ``"dequant"``, ``"blocked"``, ``"pallas"`` or ``"mosaic"``.
       dequant_dtype: matmul dtype of the dequant path (float32 or bfloat16).
       act_recipe, weight_recipe: rounding details of the lhs and rhs quantization.
     """
@@ -315,37 +470,63 @@ class Fp8DotConfig:
 
 
 def fp8_forward_canonical(x, w, cfg: Fp8DotConfig, x_op: OperandQuant | None = None,
-                          w_op: OperandQuant | None = None):
-    """FP8 product of canonical operands ``x [B, M, K]``, ``w [B, N, K]`` -> float32 ``[B, M, N]``.
+                          w_op: OperandQuant | None = None, out_dtype=jnp.float32):
+    """FP8 product of canonical operands ``x [B, M, K]``, ``w [B, N, K]`` -> ``[B, M, N]`` in ``out_dtype``.
 
-    ``cfg.impl == "auto"``: :func:`kernel_impl` where the program is lowered for CUDA (the ``w8a8_gemm`` kernel
-    family, :func:`fp8rl_jax.fp8.kernels.choose`), ``"dequant"`` elsewhere.
+    Both are quantized here (``x_op`` / ``w_op``, default ``cfg.operands()``) and multiplied with float32
+    accumulation. ``cfg.impl == "auto"``: where the program is lowered for CUDA the kernel of
+    :func:`cuda_gemm_impl` (by M: the split-K decode kernel for M <= 64, the Mosaic GPU wgmma GEMM otherwise, XLA's
+    FP8 dot for operands Mosaic cannot take; through :func:`fp8rl_jax.fp8.kernels.choose`), ``"dequant"`` elsewhere.
+
+    Args:
+      x: ``[B, M, K]`` float (lhs, activations or gradients); w: ``[B, N, K]`` float (rhs).
+      cfg: an :class:`Fp8DotConfig`.
+      x_op, w_op: the operands' quantization (default ``cfg.operands()``).
+      out_dtype: result dtype (float32 by default; the Mosaic kernel writes it from its float32 accumulator).
+
+    Returns:
+      ``[B, M, N]`` in ``out_dtype``.
     """
     dx_op, dw_op = cfg.operands()
     x_op, w_op = x_op or dx_op, w_op or dw_op
     if cfg.impl != "auto":
-        return _forward_with(x, w, cfg, x_op, w_op, cfg.impl)
-    return choose("w8a8_gemm", x, w, kernel=lambda a, b: _forward_with(a, b, cfg, x_op, w_op, kernel_impl(x_op, w_op)),
-                  xla=lambda a, b: _forward_with(a, b, cfg, x_op, w_op, "dequant"))
+        return _forward_with(x, w, cfg, x_op, w_op, cfg.impl, out_dtype)
+    family, impl = cuda_gemm_impl(x.shape[1], batch=x.shape[0], mosaic_ok=mosaic_operands(x_op, w_op, cfg.block_size)
+                                  and cfg.scaling == "block", decode_ok=decode_operands(x_op, w_op, cfg.ue8m0))
+    return choose(family, x, w, kernel=lambda a, b: _forward_with(a, b, cfg, x_op, w_op, impl, out_dtype, False),
+                  xla=lambda a, b: _forward_with(a, b, cfg, x_op, w_op, "dequant", out_dtype))
 
 
-def _forward_with(x, w, cfg: Fp8DotConfig, x_op: OperandQuant, w_op: OperandQuant, impl: str):
+def _forward_with(x, w, cfg: Fp8DotConfig, x_op: OperandQuant, w_op: OperandQuant, impl: str, out_dtype,
+                  interpret=None):
     bs = cfg.block_size
-    if impl == "pallas" and kernel_impl(x_op, w_op) != "pallas":
-        impl = "blocked"
+    if impl == "pallas" and not (mosaic_operands(x_op, w_op, bs) and w_op.granularity == "block"):
+        impl = "blocked"  # the Triton GEMM needs groups x blocks of one FP8 format
+    if impl == "mosaic" and not (mosaic_operands(x_op, w_op, bs) and cfg.scaling == "block"):
+        impl = "blocked"  # Mosaic GPU's wgmma needs one FP8 format (see mosaic_operands)
     if cfg.scaling == "tensor" and impl != "dequant":
         # One scale per operand: a single real-FP8 dot, scaled once.
         xq, xs = quantize_operand(x, x_op, bs, cfg.ue8m0)
         wq, ws = quantize_operand(w, w_op, bs, cfg.ue8m0)
         y = lax.dot_general(xq, wq, (((2,), (2,)), ((0,), (0,))), preferred_element_type=jnp.float32)
-        return y * (xs[:, :1, :1] * ws[:, :1, :1])
+        return (y * (xs[:, :1, :1] * ws[:, :1, :1])).astype(out_dtype)
+    if impl == "fused":  # the split-K decode kernel quantizes x itself (decode_operands); one batch (cuda_gemm_impl)
+        from fp8rl_jax.fp8.pallas_decode import fused_w8a8_decode_matmul
+
+        dt, mx = _fmt(w_op.fp8)
+        wq, wsb = _quantize_blocks(w, bn=bs, bk=bs, ue8m0=False, fp8_dtype=dt, fp8_max=mx, recipe=w_op.recipe)
+        if x.shape[0] != 1:
+            raise ValueError(f"the decode kernel takes one batch, got {x.shape[0]} (cuda_gemm_impl never picks it)")
+        return fused_w8a8_decode_matmul(x[0], wq[0], wsb[0], block_size=bs, out_dtype=out_dtype)[None]
     xq, xs = quantize_operand(x, x_op, bs, cfg.ue8m0)
-    if impl == "pallas":
+    if impl in ("pallas", "mosaic") and w_op.granularity == "block":
         dt, mx = _fmt(w_op.fp8)
         wq, wsb = _quantize_blocks(w, bn=bs, bk=bs, ue8m0=cfg.ue8m0, fp8_dtype=dt, fp8_max=mx, recipe=w_op.recipe)
-        return scaled_matmul(xq, xs, wq, None, block_size=bs, impl="pallas", w_block_scales=wsb)
+        return scaled_matmul(xq, xs, wq, None, block_size=bs, impl=impl, w_block_scales=wsb, out_dtype=out_dtype,
+                             interpret=interpret)
     wq, ws = quantize_operand(w, w_op, bs, cfg.ue8m0)
-    return scaled_matmul(xq, xs, wq, ws, block_size=bs, impl=impl, dequant_dtype=cfg.dequant_dtype)
+    return scaled_matmul(xq, xs, wq, ws, block_size=bs, impl=impl, dequant_dtype=cfg.dequant_dtype,
+                         out_dtype=out_dtype, interpret=interpret)
 
 
 def _out_dtype(lhs, rhs, preferred_element_type):
@@ -356,7 +537,7 @@ def _out_dtype(lhs, rhs, preferred_element_type):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
 def _fp8_dot_ste(lhs, rhs, spec: DotSpec, cfg: Fp8DotConfig, out_dtype):
-    y = fp8_forward_canonical(spec.lhs_to_canonical(lhs), spec.rhs_to_canonical(rhs), cfg)
+    y = fp8_forward_canonical(spec.lhs_to_canonical(lhs), spec.rhs_to_canonical(rhs), cfg, out_dtype=out_dtype)
     return y.reshape(spec.out_shape).astype(out_dtype)
 
 

@@ -247,7 +247,7 @@ def fp8_of_quotient(x, s, fp8_dtype, fp8_max: float, approx=_div_ieee):
     pick = jnp.where(d > h * s, hi, jnp.where(d < -(h_below * s), lo, jnp.where((lo_code & 1) == 0, lo, hi)))
     mag = jnp.where(near, pick, av)
     out = jnp.where(jnp.isnan(v), v, jnp.where(jnp.signbit(v), -mag, mag))
-    return out.astype(dt) if dt != jnp.dtype(E4M3) else cast_to_e4m3(out)
+    return out.astype(dt)  # the CUDA branch: XLA's convert (round to nearest even; |out| <= fp8_max already)
 
 
 _LN2_Q32 = np.uint32(2977044471)  # floor(ln(2) * 2**32)
@@ -432,8 +432,15 @@ def scale_values(x: jnp.ndarray, scale: jnp.ndarray, fp8_dtype=E4M3, fp8_max: fl
 
 
 def _cast_fp8(v, fp8_dtype, fp8_max: float, *, ptx: bool):
-    """``cast(clip(v, +-fp8_max))`` with round-to-nearest-even (:func:`cast_to_e4m3` for e4m3 outside kernels)."""
+    """``cast(clip(v, +-fp8_max))`` with round-to-nearest-even.
+
+    e4m3 outside kernels: :func:`cast_to_e4m3` (integer bit arithmetic, faster than XLA:CPU's convert) where the
+    program is lowered for the CPU; XLA's own convert where it is lowered for CUDA (one ``cvt.rn.satfinite`` per
+    pair; the bit arithmetic would make XLA:GPU write int32 intermediates the size of the tensor between fusions).
+    Same bits either way."""
     e4m3 = not ptx and jnp.dtype(fp8_dtype) == jnp.dtype(E4M3) and fp8_max <= E4M3_MAX
-    if not e4m3 or fp8_max < E4M3_MAX:  # cast_to_e4m3 saturates at 448 itself
+    if not e4m3:
+        return jnp.clip(v, -fp8_max, fp8_max).astype(fp8_dtype)
+    if fp8_max < E4M3_MAX:  # cast_to_e4m3 saturates at 448 itself
         v = jnp.clip(v, -fp8_max, fp8_max)
-    return cast_to_e4m3(v) if e4m3 else v.astype(fp8_dtype)
+    return lax.platform_dependent(v, cuda=lambda a: jnp.clip(a, -E4M3_MAX, E4M3_MAX).astype(E4M3), default=cast_to_e4m3)

@@ -1,6 +1,7 @@
 """Which kernel a GPU program runs, chosen by the platform it is compiled for (issue 28).
 
-The project's own kernels (Pallas quantizers, W8A8 GEMMs, the grouped expert GEMM, the FP8-KV decode attention) and
+The project's own kernels (Pallas quantizers, the Mosaic GPU and Triton W8A8 GEMMs, the grouped expert GEMM, the FP8-KV
+decode attention) and
 cuDNN's flash attention only exist for CUDA. Whether a computation runs on CUDA is known when it is *lowered*, not
 when Python traces it: on a GPU host a computation can still be placed on the CPU (``jax.default_device(cpu)``,
 inputs committed to the host), and a program can be compiled for an H100 on a machine without one (the deviceless
@@ -40,9 +41,9 @@ import jax
 #: kernel family -> what it is (the names of warnings, self-tests and docs)
 FAMILIES = {
     "quant": "Pallas blockwise e4m3 quantization (weights 128x128, activations 1x128)",
-    "w8a8_gemm": "Pallas W8A8 blockwise FP8 GEMM (prefill / training, M > 64)",
+    "w8a8_gemm": "Mosaic GPU wgmma W8A8 blockwise FP8 GEMM (dense M > 64, MoE prefill, FP8 training)",
     "decode_gemm": "Pallas fused split-K W8A8 decode GEMM (M <= 64)",
-    "grouped_experts": "Pallas grouped W8A8 MoE expert GEMM",
+    "grouped_experts": "Pallas-Triton grouped W8A8 MoE expert GEMM (decode-sized routed rows)",
     "fp8_kv_attention": "Pallas decode attention reading the e4m3 KV cache",
     "cudnn_attention": "cuDNN flash attention (jax.nn.dot_product_attention implementation='cudnn')",
 }

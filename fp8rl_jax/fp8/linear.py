@@ -3,10 +3,12 @@
 ``y[m, n] = sum_kb (xq[m, kb] . wq[n, kb]) * xs[m, kb] * ws[n // 128, kb]`` with float32 accumulation
 (DeepSeek-V3 / DeepGEMM / vLLM ``w8a8_block_fp8_matmul``). Lowered for the CPU (or any non-CUDA platform) this is
 evaluated as ``dequant(xq) @ dequant(wq).T`` in float32, which is the same sum (only the order of fp32 additions
-differs); lowered for CUDA it runs Pallas kernels on real e4m3 operands: for ``M <= 64`` rows (decode) the
-one-launch split-K kernel that quantizes the activations in its prologue (:mod:`fp8rl_jax.fp8.pallas_decode`,
-kernel family ``decode_gemm``), above that group quantization then the tiled GEMM (:mod:`fp8rl_jax.fp8.pallas_gemm`,
-``w8a8_gemm``). The choice is :func:`fp8rl_jax.fp8.kernels.choose`'s (self-test, ``FP8RL_KERNELS``).
+differs); lowered for CUDA it runs kernels on real e4m3 operands, picked by the number of rows M
+(:func:`fp8rl_jax.fp8.dot_general.cuda_gemm_impl`, the one place): for ``M <= 64`` rows (decode) the one-launch
+split-K Triton kernel that quantizes the activations in its prologue (:mod:`fp8rl_jax.fp8.pallas_decode`, kernel
+family ``decode_gemm``), above that group quantization (XLA) then the Mosaic GPU GEMM on Hopper's FP8 tensor cores
+(``wgmma...e4m3.e4m3``, :mod:`fp8rl_jax.fp8.mosaic_gemm`, ``w8a8_gemm``), which writes ``out_dtype`` directly. The
+family's self-test and ``FP8RL_KERNELS`` apply (:func:`fp8rl_jax.fp8.kernels.choose`).
 """
 
 from __future__ import annotations
@@ -15,11 +17,14 @@ import math
 
 import jax.numpy as jnp
 
-from fp8rl_jax.fp8.dot_general import scaled_matmul
-from fp8rl_jax.fp8.pallas_decode import MAX_DECODE_ROWS, fused_w8a8_decode_matmul
+from fp8rl_jax.fp8.dot_general import cuda_gemm_impl, scaled_matmul
 from fp8rl_jax.fp8.formats import ACTIVATION_RECIPE, BLOCK_SIZE
 from fp8rl_jax.fp8.kernels import choose
+from fp8rl_jax.fp8.mosaic_gemm import FP8_OPERAND_DTYPES
+from fp8rl_jax.fp8.pallas_decode import fused_w8a8_decode_matmul
 from fp8rl_jax.fp8.quant import _quantize_groups
+
+IMPLS = ("auto", "dequant", "blocked", "pallas", "fused", "mosaic")
 
 
 def w8a8_block_matmul(x: jnp.ndarray, weight: jnp.ndarray, weight_scale_inv: jnp.ndarray,
@@ -33,17 +38,19 @@ def w8a8_block_matmul(x: jnp.ndarray, weight: jnp.ndarray, weight_scale_inv: jnp
       weight_scale_inv: float32 ``[ceil(N/bs), ceil(K/bs)]``.
       block_size: bs (128).
       out_dtype: result dtype (default ``x.dtype``).
-      impl: ``"auto"`` (lowered for CUDA: ``"fused"`` for at most :data:`~fp8rl_jax.fp8.pallas_decode.MAX_DECODE_ROWS`
-        rows, else ``"pallas"``; dequantize + float32 matmul elsewhere), ``"dequant"``, ``"blocked"`` (per-K-block
-        real e4m3 ``dot_general``), ``"pallas"`` (group quantization, then the tiled GEMM) or ``"fused"`` (one
-        split-K kernel with the activation quantization inside; bit-identical to ``"pallas"`` up to the order of
-        the float32 additions of K-block partials).
+      impl: ``"auto"`` (lowered for CUDA: :func:`~fp8rl_jax.fp8.dot_general.cuda_gemm_impl` of the row count M,
+        ``"fused"`` for ``M <= 64``, ``"mosaic"`` above; dequantize + float32 matmul elsewhere), ``"dequant"``,
+        ``"blocked"`` (per-K-block real e4m3 ``dot_general``), ``"mosaic"`` (group quantization, then the Mosaic
+        GPU wgmma GEMM; Mosaic GPU's interpreter where the program is not lowered for CUDA), ``"pallas"`` (group
+        quantization, then the Pallas-Triton tiled GEMM) or ``"fused"`` (one split-K Triton kernel with the
+        activation quantization inside; bit-identical to ``"pallas"`` up to the order of the float32 additions of
+        K-block partials).
 
     Returns:
       ``[..., N]`` in ``out_dtype``; accumulated in float32.
 
     Raises:
-      ValueError: ``x.shape[-1] != weight.shape[1]`` or a scale/weight mismatch.
+      ValueError: ``x.shape[-1] != weight.shape[1]``, a scale/weight mismatch or an unknown ``impl``.
     """
     if x.shape[-1] != weight.shape[-1]:
         raise ValueError(f"w8a8_block_matmul: x has K={x.shape[-1]} but weight is {tuple(weight.shape)} ([N, K])")
@@ -52,17 +59,20 @@ def w8a8_block_matmul(x: jnp.ndarray, weight: jnp.ndarray, weight_scale_inv: jnp
     if tuple(weight_scale_inv.shape) != (nb, kb):
         raise ValueError(f"w8a8_block_matmul: weight_scale_inv {tuple(weight_scale_inv.shape)} does not match "
                          f"weight {tuple(weight.shape)} with block {block_size}: expected {(nb, kb)}")
+    if impl not in IMPLS:
+        raise ValueError(f"w8a8_block_matmul: impl must be one of {IMPLS}, got {impl!r}")
     out_dtype = out_dtype or x.dtype
     if impl == "auto":
         rows = math.prod(x.shape[:-1])
-        family, kernel = ("decode_gemm", "fused") if rows <= MAX_DECODE_ROWS else ("w8a8_gemm", "pallas")
+        mosaic_ok = block_size == BLOCK_SIZE and jnp.dtype(weight.dtype) in FP8_OPERAND_DTYPES
+        family, kernel = cuda_gemm_impl(rows, mosaic_ok=mosaic_ok)
         return choose(family, x, weight, weight_scale_inv,
-                      kernel=lambda *a: _matmul(*a, block_size, out_dtype, kernel),
+                      kernel=lambda *a: _matmul(*a, block_size, out_dtype, kernel, interpret=False),
                       xla=lambda *a: _matmul(*a, block_size, out_dtype, "dequant"))
     return _matmul(x, weight, weight_scale_inv, block_size, out_dtype, impl)
 
 
-def _matmul(x, weight, weight_scale_inv, block_size, out_dtype, impl):
+def _matmul(x, weight, weight_scale_inv, block_size, out_dtype, impl, interpret=None):
     n, k = weight.shape
     *lead, _ = x.shape
     rows = math.prod(lead)
@@ -74,7 +84,10 @@ def _matmul(x, weight, weight_scale_inv, block_size, out_dtype, impl):
     xq, xs = _quantize_groups(x2, group_size=block_size, ue8m0=False, fp8_dtype=jnp.dtype(weight.dtype),
                               fp8_max=float(jnp.finfo(weight.dtype).max), recipe=ACTIVATION_RECIPE)
     ws = weight_scale_inv.astype(jnp.float32)
-    if impl == "pallas":
+    if impl == "mosaic":  # the kernel's epilogue writes out_dtype from its float32 accumulator
+        y = scaled_matmul(xq, xs, weight[None], None, block_size=block_size, impl="mosaic", w_block_scales=ws[None],
+                          out_dtype=out_dtype, interpret=interpret)
+    elif impl == "pallas":
         y = scaled_matmul(xq, xs, weight[None], None, block_size=block_size, impl="pallas",
                           w_block_scales=ws[None])
     else:

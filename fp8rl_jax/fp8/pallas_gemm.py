@@ -5,6 +5,13 @@
 K in 128-wide blocks, multiplies real e4m3 tiles with float32 accumulation and applies both scales to the
 partial product before adding it ("promotion" in float32, as DeepGEMM does). Lowered with Triton on a CUDA
 GPU (Hopper: e4m3 ``tt.dot``); ``interpret=True`` elsewhere, for tests at small sizes.
+
+Since issue 29 no ``"auto"`` path runs this kernel: Pallas' Triton lowering turns the e4m3 ``tt.dot`` into f16
+``mma.sync`` on sm_90 (shared/GPU.md), so GEMMs with M > 64 rows take the Mosaic GPU wgmma kernel
+(:mod:`fp8rl_jax.fp8.mosaic_gemm`, which owns the ``w8a8_gemm`` family's self-test) and decode the split-K kernel of
+:mod:`fp8rl_jax.fp8.pallas_decode`. It stays for explicit ``impl="pallas"`` requests and as the reference those
+kernels are tested against in interpret mode. This module also holds the self-test helpers
+(:func:`selftest_operands`, :func:`w8a8_reference`) the kernel families share.
 """
 
 from __future__ import annotations
@@ -17,7 +24,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from fp8rl_jax.fp8.formats import BLOCK_SIZE
-from fp8rl_jax.fp8.kernels import check_close, register_selftest, run_pallas
+from fp8rl_jax.fp8.kernels import check_close, run_pallas
 
 
 def _gemm_kernel(x_ref, xs_ref, w_ref, ws_ref, o_ref, *, kb, bk):
@@ -120,18 +127,27 @@ def pallas_w8a8_matmul(xq, xs, wq, ws, *, block_size: int = BLOCK_SIZE, bm: int 
                  num_stages=num_stages)
 
 
-def w8a8_reference(xq, xs, wq, ws, block_size: int = BLOCK_SIZE):
+def w8a8_reference(xq, xs, wq, ws, block_size: int = BLOCK_SIZE, w_scales: str = "block"):
     """float64 numpy ``(y, bound)`` of the W8A8 blockwise product (the formula in the module docstring) for a
     self-test: ``y = (xq * xs) @ (wq * ws).T`` with each scale broadcast over its group/block, ``bound = |.| @ |.|.T``.
 
-    Args: ``xq [M, K]`` e4m3, ``xs [M, KB]``, ``wq [N, K]`` e4m3, ``ws [ceil(N/bs), KB]`` (numpy or jax arrays).
+    Args: ``xq [M, K]`` FP8, ``xs [M, KB]``, ``wq [N, K]`` FP8, ``ws [ceil(N/bs), KB]`` (``w_scales="block"``: 128x128
+    blocks) or ``[N, KB]`` (``"row"``: 1 x bs groups of each row of ``wq``); numpy or jax arrays.
+
+    Raises:
+      ValueError: an unknown ``w_scales``.
     """
     import numpy as np
 
+    if w_scales not in ("block", "row"):
+        raise ValueError(f"w8a8_reference: w_scales must be 'block' or 'row', got {w_scales!r}")
     m, k = xq.shape
     n = wq.shape[0]
     xd = np.asarray(xq).astype(np.float64) * np.repeat(np.asarray(xs, np.float64), block_size, axis=1)[:, :k]
-    wsr = np.repeat(np.repeat(np.asarray(ws, np.float64), block_size, axis=0), block_size, axis=1)[:n, :k]
+    wsr = np.asarray(ws, np.float64)
+    if w_scales == "block":
+        wsr = np.repeat(wsr, block_size, axis=0)
+    wsr = np.repeat(wsr, block_size, axis=1)[:n, :k]
     wd = np.asarray(wq).astype(np.float64) * wsr
     return xd @ wd.T, np.abs(xd) @ np.abs(wd).T
 
@@ -156,13 +172,16 @@ def selftest_operands(m: int, n: int, k: int, seed: int = 0):
 
 
 def _selftest_w8a8_gemm(interpret: bool = False) -> None:
-    """Self-test of the ``w8a8_gemm`` family (:mod:`fp8rl_jax.fp8.kernels`): M=65, N=200, K=300 (ragged in every
-    dimension) on the default device against :func:`w8a8_reference`, to 1e-5 of the sum of |terms| (float32
-    accumulation of three K-block partials; a wrong scale or tile misses it by orders of magnitude)."""
+    """Check of this Triton GEMM (formerly the ``w8a8_gemm`` family's self-test; since issue 29 that family is the
+    Mosaic GPU kernel's, :func:`fp8rl_jax.fp8.mosaic_gemm._selftest_w8a8_gemm`): M=65, N=200, K=300 (ragged in
+    every dimension) on the default device against :func:`w8a8_reference`, to 1e-5 of the sum of |terms| (float32
+    accumulation of three K-block partials; a wrong scale or tile misses it by orders of magnitude).
+
+    Raises:
+      fp8rl_jax.fp8.kernels.KernelMismatch: the result is outside the tolerance.
+    """
     _, xq, xs, wq, ws = selftest_operands(65, 200, 300)
     y = pallas_w8a8_matmul(*(jnp.asarray(a) for a in (xq, xs, wq, ws)), interpret=interpret)
     ref, bound = w8a8_reference(xq, xs, wq, ws)
     check_close("W8A8 GEMM M=65 N=200 K=300", y, ref, bound, 1e-5)
 
-
-register_selftest("w8a8_gemm", _selftest_w8a8_gemm)

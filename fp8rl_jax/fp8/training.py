@@ -1,4 +1,4 @@
-"""FP8 training matmuls: forward in e4m3 blockwise, backward in bf16 / e5m2 / float32 (custom VJP).
+"""FP8 training matmuls: forward in e4m3 blockwise, backward in bf16 / e5m2 / e4m3 / float32 (custom VJP).
 
 The FP8-RL report's Experiment 5 ("FP8 end-to-end training") runs the trainer's linear layers in FP8. Here a
 ``dot_general`` built by :func:`make_fp8_train_dot_general` computes
@@ -11,7 +11,23 @@ The FP8-RL report's Experiment 5 ("FP8 end-to-end training") runs the trainer's 
     (straight-through the forward quantization);
   - ``"e5m2"``: the same products in FP8, Transformer-Engine/DeepSeek-V3 style: ``g`` quantized to e5m2 in
     1x128 groups along each product's contracting dim, ``w`` re-used as e4m3 128x128 blocks (a block is the same
-    for ``w`` and ``w^T``), ``x`` quantized to e4m3 in 128-token groups along M for the weight gradient;
+    for ``w`` and ``w^T``), ``x`` quantized to e4m3 in 128-token groups along M for the weight gradient. The
+    operands are of two FP8 formats, which Mosaic GPU's wgmma cannot take: on CUDA these GEMMs are XLA's FP8
+    ``dot_general`` per K block;
+  - ``"e4m3"``: DeepSeek-V3's recipe (arXiv 2412.19437 Sec. 3.3: all three GEMMs of a linear in e4m3 with
+    fine-grained scales): the same groups as ``"e5m2"`` (``g`` in 1x128 groups along each product's contracting
+    dim, ``w`` as 128x128 blocks, ``x`` in 1x128 groups along the tokens), every operand e4m3 (rounding
+    :data:`GRAD_E4M3`: ``s = max(amax, 1e-30) / 448``, ``q = g / s``). Both backward GEMMs then run on the
+    Mosaic GPU wgmma kernel where the program is lowered for CUDA (M >= 128; :func:`~fp8rl_jax.fp8.dot_general.
+    cuda_gemm_impl`): the input gradient ``dx = g . w`` (1D2D: ``g`` groups x ``w^T`` blocks) and the weight
+    gradient ``dw = g^T . x`` (1D1D: both operands in 1x128 groups along the tokens). The kernel needs both
+    operands K-major (contracting dim contiguous: FP8 wgmma refuses transposed 8-bit operands): ``w^T`` is the
+    e4m3 ``w`` transposed once (its 128x128 block scales transposed with it), and for the weight gradient ``g``
+    and ``x`` are quantized along the tokens in their own ``[M, N]`` / ``[M, K]`` layout and only the e4m3
+    results are transposed (:func:`~fp8rl_jax.fp8.dot_general.quantize_transposed`): one transposed copy per
+    operand, of 1-byte values, never of the wide gradient or activation. e4m3 has one more mantissa bit than e5m2
+    and far less range (448 / 2**-9 against 57344 / 2**-16); DeepSeek-V3's point is that a scale per 1x128
+    group makes e4m3's range enough for gradients too;
   - ``"float32"``: exact float32 cotangents (the straight-through estimator itself).
 
 Residuals are the unquantized inputs (as for a plain matmul). Trainer precision ``"fp8"`` is then a config
@@ -27,10 +43,16 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from fp8rl_jax.fp8.dot_general import DotSpec, Fp8DotConfig, OperandQuant, fp8_forward_canonical, wrap_dot_general
-from fp8rl_jax.fp8.formats import GRAD_E5M2
+from fp8rl_jax.fp8.dot_general import (DotSpec, Fp8DotConfig, OperandQuant, _fmt, fp8_forward_canonical,
+                                       quantize_operand, quantize_transposed, quantized_matmul, wrap_dot_general)
+from fp8rl_jax.fp8.formats import GRAD_E5M2, QuantRecipe
+from fp8rl_jax.fp8.quant import _quantize_blocks
 
-GRAD_PRECISIONS = ("bf16", "e5m2", "float32")
+#: backward precisions of :func:`make_fp8_train_dot_general` (``train.fp8_train_grad``)
+GRAD_PRECISIONS = ("bf16", "e5m2", "e4m3", "float32")
+#: rounding of e4m3 gradients (``grad="e4m3"``): ``s = max(amax, 1e-30) / 448`` (IEEE division), ``q = g / s``;
+#: like :data:`~fp8rl_jax.fp8.formats.GRAD_E5M2`, only a floor that keeps the scale a normal float32
+GRAD_E4M3 = QuantRecipe("gradient e4m3 groups (DeepSeek-V3)", amax_floor=1e-30)
 TRAIN_PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
 
 
@@ -58,7 +80,9 @@ def _swap_last(a):
 def _backward(spec: DotSpec, cfg: Fp8TrainConfig, lhs, rhs, g):
     x, w = spec.lhs_to_canonical(lhs), spec.rhs_to_canonical(rhs)  # [B, M, K], [B, N, K]
     gc = g.reshape(spec.b, spec.m, spec.n)  # [B, M, N]
-    if cfg.grad in ("bf16", "float32"):
+    if cfg.grad == "e4m3":
+        dx, dw = _backward_e4m3(x, w, gc, cfg.forward, lhs.dtype, rhs.dtype)
+    elif cfg.grad in ("bf16", "float32"):
         ct = jnp.bfloat16 if cfg.grad == "bf16" else jnp.float32
         dx = jnp.einsum("bmn,bnk->bmk", gc.astype(ct), w.astype(ct), preferred_element_type=jnp.float32)
         dw = jnp.einsum("bmn,bmk->bnk", gc.astype(ct), x.astype(ct), preferred_element_type=jnp.float32)
@@ -76,9 +100,36 @@ def _backward(spec: DotSpec, cfg: Fp8TrainConfig, lhs, rhs, g):
     return dx, dw
 
 
+def _backward_e4m3(x, w, gc, fwd: Fp8DotConfig, dx_dtype, dw_dtype):
+    """``grad="e4m3"``: ``dx = g . w`` and ``dw = g^T . x`` with every operand e4m3 (module docstring).
+
+    ``x [B, M, K]``, ``w [B, N, K]``, ``gc [B, M, N]`` -> ``(dx [B, M, K], dw [B, N, K])`` in the given dtypes. The
+    operands are quantized here, K-major, and multiplied by :func:`~fp8rl_jax.fp8.dot_general.quantized_matmul`
+    (the Mosaic GPU kernel where lowered for CUDA, unless ``fwd.impl`` names another implementation).
+    """
+    bs, ue8m0 = fwd.block_size, fwd.ue8m0
+    impl = "blocked" if fwd.impl == "pallas" else fwd.impl  # the Triton GEMM has no 1x128-row-scale (1D1D) form
+    g_op = OperandQuant("group", "e4m3", GRAD_E4M3)
+    # dx[b, m, k] = sum_n g[b, m, n] w[b, n, k]: A = g in 1x128 groups along N (its own layout: K-major already);
+    # B = w^T [B, K, N]: w quantized in 128x128 blocks (as the forward does), the e4m3 result transposed once.
+    gq, gs = quantize_operand(gc, g_op, bs, ue8m0)
+    dt, mx = _fmt("e4m3")
+    wq, wsb = _quantize_blocks(w, bn=bs, bk=bs, ue8m0=ue8m0, fp8_dtype=dt, fp8_max=mx, recipe=fwd.weight_recipe)
+    dx = quantized_matmul(gq, gs, jnp.swapaxes(wq, 1, 2), jnp.swapaxes(wsb, 1, 2), w_scales="block", impl=impl,
+                          block_size=bs, out_dtype=dx_dtype, dequant_dtype=fwd.dequant_dtype)
+    # dw[b, n, k] = sum_m g[b, m, n] x[b, m, k]: both operands in 1x128 groups along M, made K-major (M last) by
+    # transposing their e4m3 values only (quantize_transposed).
+    gq_t, gs_t = quantize_transposed(gc, g_op, bs, ue8m0)  # [B, N, M], [B, N, MB]
+    xq_t, xs_t = quantize_transposed(x, OperandQuant("group", "e4m3", fwd.act_recipe), bs, ue8m0)  # [B, K, M]
+    dw = quantized_matmul(gq_t, gs_t, xq_t, xs_t, w_scales="row", impl=impl, block_size=bs, out_dtype=dw_dtype,
+                          dequant_dtype=fwd.dequant_dtype)
+    return dx, dw
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
 def _fp8_train_dot(lhs, rhs, spec: DotSpec, cfg: Fp8TrainConfig, out_dtype):
-    y = fp8_forward_canonical(spec.lhs_to_canonical(lhs), spec.rhs_to_canonical(rhs), cfg.forward)
+    y = fp8_forward_canonical(spec.lhs_to_canonical(lhs), spec.rhs_to_canonical(rhs), cfg.forward,
+                              out_dtype=out_dtype)
     return y.reshape(spec.out_shape).astype(out_dtype)
 
 
@@ -98,7 +149,7 @@ def make_fp8_train_dot_general(grad: str = "bf16", forward: Fp8DotConfig | None 
     """Build an FP8 training ``dot_general`` (``jax.lax.dot_general`` signature) with a custom VJP.
 
     Args:
-      grad: backward precision: ``"bf16"`` (default), ``"e5m2"`` or ``"float32"``.
+      grad: backward precision: ``"bf16"`` (default), ``"e5m2"``, ``"e4m3"`` or ``"float32"`` (module docstring).
       forward: forward FP8 configuration (default: W8A8 blockwise, e4m3, 128).
 
     Returns:

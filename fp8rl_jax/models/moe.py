@@ -41,15 +41,21 @@ the hidden size).
 For the 30B-A3B configs use ``fsdp`` (the paper's mesh is ``fsdp=16``); expert-parallel dispatch (all-to-all of
 the routed rows under ``shard_map``) is not built. With FP8 experts the W8A8 blockwise numerics are those of
 :func:`fp8rl_jax.fp8.w8a8_block_matmul`'s dequantize path: activations are quantized per token in 1x128 groups
-(vLLM ``QuantFP8`` native rounding), weights are the dequantized e4m3 blocks, products accumulate in float32; on a
-CUDA GPU the grouped Pallas kernel (:func:`fp8rl_jax.fp8.pallas_grouped.grouped_w8a8_matmul`) reads the e4m3
-stacks as they are (gate and up as two products: no per-call concatenation of the stacks). Each token's k expert
+(vLLM ``QuantFP8`` native rounding), weights are the dequantized e4m3 blocks, products accumulate in float32. Where
+the program is lowered for CUDA the experts read the e4m3 stacks as they are (gate and up as two products: no
+per-call concatenation of the stacks), in the kernel that :func:`grouped_expert_kernel` picks by the routed row
+count (the one place, inside ``choose(..., family "grouped_experts")``): prefill-sized counts take the Mosaic GPU FP8
+wgmma GEMM on the tile layout (:func:`fp8rl_jax.fp8.mosaic_gemm.mosaic_grouped_w8a8_matmul`, tiles of 64 or 128
+rows, activations quantized once per tile row in 1x128 groups), decode-sized ones the Triton grouped kernel
+(:func:`fp8rl_jax.fp8.pallas_grouped.grouped_w8a8_matmul`, 16-row tiles, empty ones skipped). Each token's k expert
 outputs are summed by :func:`fp8rl_jax.models.grouped.combine_top_k` (a gather and one reduction), not by a
 scatter-add, so the result (and the logprobs) do not change from run to run on a GPU, where a scatter-add is atomic. The router always stays dense in ``param_dtype`` (bf16 in rollout), as
 verl's FP8 rollout keeps ``mlp.gate`` in its ignored layers. When a training-precision ``dot_general`` is set on
 the expert projections (FP8 training, :mod:`fp8rl_jax.trainer.precision`), the experts always run tiled with that
 product on the ``[G, m, K] x [G, N, K]`` tiles (each routed row once; each tile's weight quantized in its own
-128x128 blocks, which equal the expert's).
+128x128 blocks, which equal the expert's); lowered for CUDA with the Mosaic kernel allowed, the tile edge ``m`` is
+rounded up to a multiple of 64 (Hopper's wgmma M), so that the FP8 training product's GEMMs
+(:func:`fp8rl_jax.fp8.dot_general.cuda_gemm_impl`: batched -> the Mosaic kernel, one weight per tile) pad nothing.
 
 Rollout routing replay (R3, arXiv 2510.11370, Sec. 3). :meth:`SparseMoeBlock.forward` returns the router's own
 top-k expert ids (what the rollout engine records) and takes optional recorded ids ``replay_ids`` (``-1`` = no
@@ -68,7 +74,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from fp8rl_jax.fp8 import dequantize_weight_blockwise, fake_quantize_activation
-from fp8rl_jax.fp8.kernels import choose
+from fp8rl_jax.fp8.formats import ACTIVATION_RECIPE
+from fp8rl_jax.fp8.kernels import choose, on_cuda, use_kernel
+from fp8rl_jax.fp8.mosaic_gemm import WG_ROWS, mosaic_grouped_w8a8_matmul
+from fp8rl_jax.fp8.quant import _quantize_groups
 from fp8rl_jax.models.config import ModelConfig
 from fp8rl_jax.models.experts import StackedExperts
 from fp8rl_jax.models.grouped import choose_tile_rows, combine_top_k, prefer_tiled, tile_layout, tiled_dot
@@ -155,6 +164,38 @@ def route_with_replay(router_logits: jax.Array, top_k: int, norm_topk_prob: bool
     return w, used, ids
 
 
+#: tile edges of the Mosaic expert path, largest first (multiples of Hopper's wgmma M = 64; 128 = two warpgroups)
+MOSAIC_TILE_ROWS = (128, 64)
+
+
+def grouped_expert_kernel(num_rows: int, num_experts: int) -> int | None:
+    """Which kernel FP8 experts run where the program is lowered for CUDA, by the routed row count: the one place.
+
+    Returns the tile edge ``m`` of the Mosaic GPU path (:func:`fp8rl_jax.fp8.mosaic_gemm.mosaic_grouped_w8a8_matmul`
+    on the tile layout), or None for the Triton grouped kernel (:func:`fp8rl_jax.fp8.pallas_grouped.
+    grouped_w8a8_matmul`). The Mosaic grid is static: ``G = floor((R + E (m - 1)) / m)`` tiles of ``m`` rows, each
+    a CTA row that streams its expert's weight and runs its wgmma whether its rows are real or padding (at most
+    ``E (m - 1)`` of them). So ``m`` is the largest of :data:`MOSAIC_TILE_ROWS` whose worst-case padding is at most
+    the routed rows themselves (``E (m - 1) <= R``: at most twice the rows' work); when not even ``m = 64`` meets
+    that (decode: at Qwen3-30B-A3B, E = 128, fewer than 8064 routed rows, ~1000 tokens at top-8) the Triton kernel
+    keeps the rows in 16-row tiles and skips the empty ones. Element counts, not a timing (no GPU here): tune the
+    crossover on the device.
+
+    Args:
+      num_rows: ``R = tokens * top_k`` (static). num_experts: ``E``.
+
+    Raises:
+      ValueError: non-positive ``num_experts`` or negative ``num_rows``.
+    """
+    if num_experts <= 0 or num_rows < 0:
+        raise ValueError(f"grouped_expert_kernel needs num_rows >= 0 and num_experts > 0, got {num_rows}, "
+                         f"{num_experts}")
+    for m in MOSAIC_TILE_ROWS:
+        if num_experts * (m - 1) <= num_rows:
+            return m
+    return None
+
+
 class SparseMoeBlock(nnx.Module):
     """Qwen3-MoE MLP: router ``gate`` + ``experts`` (see the module docstring for semantics and names).
 
@@ -184,10 +225,60 @@ class SparseMoeBlock(nnx.Module):
                                       linear_precision=linear_precision, param_dtype=param_dtype, dtype=dtype,
                                       rngs=rngs)
 
-    #: FP8 experts: ``"auto"`` (the grouped Pallas kernel where the program is lowered for CUDA, the XLA path
-    #: below elsewhere: :func:`fp8rl_jax.fp8.kernels.choose`, family ``grouped_experts``), ``"pallas"`` (always the
-    #: kernel; interpret mode where not lowered for CUDA) or ``"ragged_dot"`` (never the kernel).
+    #: FP8 experts: ``"auto"`` (where the program is lowered for CUDA the kernel of :func:`grouped_expert_kernel`,
+    #: the XLA path below elsewhere: :func:`fp8rl_jax.fp8.kernels.choose`, family ``grouped_experts``), ``"pallas"``
+    #: (always the Triton grouped kernel), ``"mosaic"`` (always the Mosaic GPU kernel on 64-row tiles or
+    #: :func:`grouped_expert_kernel`'s; both: interpret mode where not lowered for CUDA) or ``"ragged_dot"`` (never
+    #: a kernel).
     fp8_expert_impl: str = "auto"
+
+    def _fp8_stacks(self):
+        ex = self.experts
+        return tuple((p.weight[...], p.weight_scale_inv[...]) for p in (ex.gate_proj, ex.up_proj, ex.down_proj))
+
+    def _mosaic_experts(self, xt, weights, order, group_sizes, *, tile_rows: int, interpret=None) -> jax.Array:
+        """FP8 experts with the Mosaic GPU wgmma kernel on the tile layout (:mod:`fp8rl_jax.models.grouped`).
+
+        ``xt [T, hidden]``, ``weights [T, k]``, ``order [T*k]`` (pairs sorted by expert), ``group_sizes [E]`` ->
+        ``[T, hidden]`` in ``dtype``. Each tile slot gathers its token's row (padding slots: zero rows), the rows are
+        quantized once per tile row in 1x128 e4m3 groups (vLLM ``QuantFP8`` native rounding, the kernel-free path's
+        :meth:`_act_in`), then gate and up read those same e4m3 rows and the stacks as they are, the SwiGLU output
+        is quantized the same way for down, and each routed row's output is gathered back from its slot.
+
+        Args:
+          tile_rows: ``m``, a multiple of 64. interpret: as :func:`~fp8rl_jax.fp8.mosaic_gemm.mosaic_w8a8_matmul`
+            (None: compiled where lowered for CUDA, Mosaic GPU's interpreter elsewhere).
+        """
+        t, hidden = xt.shape
+        rows = t * self.top_k
+        lay = tile_layout(group_sizes, rows, tile_rows)
+        token = order[lay.slot_row] // self.top_k
+        x = jnp.where(lay.valid[:, None], xt[token], jnp.zeros((), xt.dtype))  # [G*m, hidden]
+        (qg, sg), (qu, su), (qd, sd) = self._fp8_stacks()
+        bs = self.experts.gate_proj.block_size
+
+        def quant(v):
+            return _quantize_groups(v, group_size=bs, ue8m0=False, fp8_dtype=jnp.dtype(qg.dtype),
+                                    fp8_max=float(jnp.finfo(qg.dtype).max), recipe=ACTIVATION_RECIPE)
+
+        def gemm(aq, a_s, wq, ws, out_dtype):
+            def run(*v, interp):
+                return mosaic_grouped_w8a8_matmul(*v, tile_rows=tile_rows, block_size=bs, out_dtype=out_dtype,
+                                                  interpret=interp)
+
+            ops = (aq, a_s, wq, ws, lay.tile_group)
+            if interpret is not None:
+                return run(*ops, interp=bool(interpret))
+            return on_cuda(*ops, cuda=lambda *v: run(*v, interp=False), default=lambda *v: run(*v, interp=True))
+
+        xq, xs = quant(x)
+        g = gemm(xq, xs, qg, sg, jnp.float32)
+        u = gemm(xq, xs, qu, su, jnp.float32)
+        h = jax.nn.silu(g.astype(self.dtype)) * u.astype(self.dtype)
+        hq, hs = quant(h)
+        y = gemm(hq, hs, qd, sd, self.dtype)
+        y = y[lay.row_slot] * weights.reshape(-1)[order][:, None]  # sorted rows
+        return combine_top_k(y, order, self.top_k)
 
     def _fp8_grouped_experts(self, xs: jax.Array, group_sizes: jax.Array) -> jax.Array:
         """Expert SwiGLU on rows grouped by expert with the grouped W8A8 kernel (e4m3 weights read as they are).
@@ -199,10 +290,8 @@ class SparseMoeBlock(nnx.Module):
         """
         from fp8rl_jax.fp8.pallas_grouped import grouped_w8a8_matmul
 
-        ex = self.experts
-        (qg, sg), (qu, su), (qd, sd) = ((p.weight[...], p.weight_scale_inv[...])
-                                        for p in (ex.gate_proj, ex.up_proj, ex.down_proj))
-        bs = ex.gate_proj.block_size
+        (qg, sg), (qu, su), (qd, sd) = self._fp8_stacks()
+        bs = self.experts.gate_proj.block_size
         g = grouped_w8a8_matmul(xs, group_sizes, qg, sg, block_size=bs, out_dtype=jnp.float32)
         u = grouped_w8a8_matmul(xs, group_sizes, qu, su, block_size=bs, out_dtype=jnp.float32)
         h = jax.nn.silu(g.astype(self.dtype)) * u.astype(self.dtype)
@@ -218,6 +307,20 @@ class SparseMoeBlock(nnx.Module):
     def _tile_rows(self, rows: int) -> int:
         _, inter, hidden = self.experts.gate_proj.weight.shape
         return self.tile_rows or choose_tile_rows(rows, self.num_experts, inter, hidden)
+
+    def _training_tiled(self, xt, weights, order, group_sizes) -> jax.Array:
+        """The tiled experts under a training ``dot_general`` (FP8 training): :meth:`_tiled_experts` with the tile
+        edge of :meth:`_tile_rows` (``m``); where the program is lowered for CUDA and the Mosaic kernel is allowed
+        (family ``w8a8_gemm``), ``m`` rounded up to a multiple of 64, so that the product's batched Mosaic GEMMs
+        (one per tile) get whole 64-row warpgroup tiles (an 8-32-row tile would be padded to 64 inside the GEMM).
+        Elsewhere exactly :meth:`_tiled_experts` with ``m`` (lowered for the CPU nothing changes)."""
+        m = self._tile_rows(order.shape[0])
+        mk = -(-m // WG_ROWS) * WG_ROWS
+        args = (xt, weights, order, group_sizes)
+        if mk == m or not use_kernel("w8a8_gemm"):
+            return self._tiled_experts(*args, tile_rows=m)
+        return on_cuda(*args, cuda=lambda *a: self._tiled_experts(*a, tile_rows=mk),
+                       default=lambda *a: self._tiled_experts(*a, tile_rows=m))
 
     def _grouped_impl(self, rows: int) -> str:
         impl = self.grouped_impl
@@ -249,17 +352,18 @@ class SparseMoeBlock(nnx.Module):
         return tiled_dot(x_tiles.astype(self.dtype), w, preferred_element_type=acc)
 
     def _tiled_experts(self, xt: jax.Array, weights: jax.Array, order: jax.Array,
-                       group_sizes: jax.Array) -> jax.Array:
+                       group_sizes: jax.Array, tile_rows: int | None = None) -> jax.Array:
         """The experts on the ``T * k`` expert-sorted pairs in tiles (:mod:`fp8rl_jax.models.grouped`).
 
         ``xt [T, hidden]``, ``weights [T, k]`` (dtype), ``order [T*k]`` (pair indices sorted by expert),
         ``group_sizes [E]`` -> ``[T, hidden]`` in ``dtype``. Each slot gathers its token's row directly (no sorted
-        copy of the rows); padding slots are zero rows whose outputs are discarded.
+        copy of the rows); padding slots are zero rows whose outputs are discarded. ``tile_rows``: the tile edge
+        (None: :meth:`_tile_rows`).
         """
         ex = self.experts
         t, hidden = xt.shape
         rows = t * self.top_k
-        m = self._tile_rows(rows)
+        m = tile_rows or self._tile_rows(rows)
         lay = tile_layout(group_sizes, rows, m)
         pair = order[lay.slot_row]                              # [G*m] (token, slot) pair of each tile slot
         token = pair // self.top_k
@@ -328,25 +432,40 @@ class SparseMoeBlock(nnx.Module):
         group_sizes = jnp.bincount(flat, length=self.num_experts).astype(jnp.int32)
         args = (xt, weights, order, group_sizes)
         impl = self.fp8_expert_impl
-        if impl not in ("auto", "pallas", "ragged_dot"):
-            raise ValueError(f"fp8_expert_impl must be 'auto', 'pallas' or 'ragged_dot', got {impl!r}")
+        if impl not in ("auto", "pallas", "mosaic", "ragged_dot"):
+            raise ValueError(f"fp8_expert_impl must be 'auto', 'pallas', 'mosaic' or 'ragged_dot', got {impl!r}")
         if self.precision != "fp8" or impl == "ragged_dot":
             out = self._xla_experts(*args)
         elif impl == "pallas":
-            out = self._kernel_experts(*args)
+            out = self._triton_experts(*args)
+        elif impl == "mosaic":
+            m = grouped_expert_kernel(order.shape[0], self.num_experts) or MOSAIC_TILE_ROWS[-1]
+            out = self._mosaic_experts(*args, tile_rows=m)
         else:
             out = choose("grouped_experts", *args, kernel=self._kernel_experts, xla=self._xla_experts)
         return out.reshape(shape), router_ids
 
     def _kernel_experts(self, xt, weights, order, group_sizes) -> jax.Array:
-        """FP8 experts with the grouped W8A8 kernel (:meth:`_fp8_grouped_experts`), combined per token."""
+        """FP8 experts where the program is lowered for CUDA (``grouped_experts`` kernel branch): the Mosaic GPU
+        kernel on :func:`grouped_expert_kernel`'s tiles for prefill-sized row counts (when the Mosaic kernel family
+        ``w8a8_gemm`` passed its self-test), else the Triton grouped kernel."""
+        m = grouped_expert_kernel(order.shape[0], self.num_experts)
+        if m is not None and use_kernel("w8a8_gemm"):
+            return self._mosaic_experts(xt, weights, order, group_sizes, tile_rows=m, interpret=False)
+        return self._triton_experts(xt, weights, order, group_sizes)
+
+    def _triton_experts(self, xt, weights, order, group_sizes) -> jax.Array:
+        """FP8 experts with the Triton grouped W8A8 kernel (:meth:`_fp8_grouped_experts`), combined per token."""
         y = self._fp8_grouped_experts(xt[order // self.top_k], group_sizes)
         return combine_top_k(y * weights.reshape(-1)[order][:, None], order, self.top_k)
 
     def _xla_experts(self, xt, weights, order, group_sizes) -> jax.Array:
-        """The experts without our kernels: tiled (:meth:`_tiled_experts`) or ``ragged_dot``, combined per token."""
+        """The experts without our kernels: tiled (:meth:`_tiled_experts`) or ``ragged_dot``, combined per token. A
+        training ``dot_general`` runs tiled (:meth:`_training_tiled`)."""
         ex = self.experts
-        if ex.gate_proj.dot_general is not None or self._grouped_impl(order.shape[0]) == "tiled":
+        if ex.gate_proj.dot_general is not None:
+            return self._training_tiled(xt, weights, order, group_sizes)
+        if self._grouped_impl(order.shape[0]) == "tiled":
             return self._tiled_experts(xt, weights, order, group_sizes)
         acc = jnp.float32 if self.precision == "fp8" else self.dtype
         wg, wu, wd = (p.stacked_kn(self.dtype) for p in (ex.gate_proj, ex.up_proj, ex.down_proj))
@@ -360,16 +479,17 @@ class SparseMoeBlock(nnx.Module):
 
 
 #: ``expert_impl`` values of :func:`set_expert_impl` (engine and trainer)
-EXPERT_IMPLS = ("auto", "pallas", "tiled", "ragged_dot")
+EXPERT_IMPLS = ("auto", "pallas", "mosaic", "tiled", "ragged_dot")
 
 
 def set_expert_impl(model: nnx.Module, impl: str) -> str:
     """Set how every :class:`SparseMoeBlock` of ``model`` runs its experts; returns ``impl``.
 
-    ``"auto"``: FP8 experts take the grouped Pallas kernel where the program is lowered for CUDA
-    (:func:`fp8rl_jax.fp8.kernels.choose`), and otherwise tiles or ``ragged_dot``, whichever moves fewer elements;
-    ``"pallas"``: FP8 experts always take the kernel (interpret mode where not lowered for CUDA); ``"tiled"`` /
-    ``"ragged_dot"``: never the kernel, that XLA path.
+    ``"auto"``: FP8 experts take a kernel where the program is lowered for CUDA (:func:`fp8rl_jax.fp8.kernels.choose`;
+    :func:`grouped_expert_kernel`: Mosaic GPU for prefill-sized row counts, Triton for decode-sized ones), and
+    otherwise tiles or ``ragged_dot``, whichever moves fewer elements; ``"pallas"`` / ``"mosaic"``: FP8 experts always
+    take the Triton / the Mosaic GPU kernel (interpret mode where not lowered for CUDA); ``"tiled"`` /
+    ``"ragged_dot"``: never a kernel, that XLA path.
 
     Raises:
       ValueError: an unknown ``impl`` (the valid ones named).
@@ -378,7 +498,7 @@ def set_expert_impl(model: nnx.Module, impl: str) -> str:
         raise ValueError(f"expert_impl={impl!r} is not one of {EXPERT_IMPLS}")
     for _, mod in nnx.iter_modules(model):
         if isinstance(mod, SparseMoeBlock):
-            mod.fp8_expert_impl = impl if impl in ("auto", "pallas") else "ragged_dot"
+            mod.fp8_expert_impl = impl if impl in ("auto", "pallas", "mosaic") else "ragged_dot"
             mod.grouped_impl = impl if impl in ("tiled", "ragged_dot") else "auto"
     return impl
 

@@ -44,7 +44,8 @@ class TrainConfig:
       train_precision: forward/backward precision of the trainer: ``"float32"``, ``"bf16"`` (bfloat16 compute),
         ``"fp16"`` (float16 compute, dynamic loss scaling with overflow-skip) or ``"fp8"`` (W8A8 blockwise e4m3
         forward of every decoder linear with a bf16 backward, custom VJP); see :mod:`fp8rl_jax.trainer.precision`.
-      fp8_train_grad: backward precision of the FP8 linears (``"bf16"``, ``"e5m2"``, ``"float32"``).
+      fp8_train_grad: backward precision of the FP8 linears (``"bf16"``, ``"e5m2"``, ``"e4m3"`` (DeepSeek-V3: all
+        three GEMMs e4m3 with fine-grained scales; on CUDA the Mosaic GPU wgmma GEMM), ``"float32"``).
       loss_scale_init, loss_scale_growth_interval: fp16 dynamic loss scale: initial scale, finite steps per
         doubling (halved on every overflow, which skips the step).
       checkpoint_every: save an orbax checkpoint every N steps (and after the last step); 0 = never.
@@ -140,7 +141,8 @@ class TrainConfig:
         (:data:`fp8rl_jax.fp8.pallas_attention.KV_ATTENTION_IMPLS`: ``"auto"``, ``"materialize"``, ``"pallas"``,
         ``"interpret"``).
       expert_impl: Qwen3-MoE experts in the engine and the trainer (:data:`fp8rl_jax.models.moe.EXPERT_IMPLS`:
-        ``"auto"``, ``"pallas"``, ``"tiled"``, ``"ragged_dot"``; :func:`fp8rl_jax.models.moe.set_expert_impl`).
+        ``"auto"``, ``"pallas"``, ``"mosaic"``, ``"tiled"``, ``"ragged_dot"``;
+        :func:`fp8rl_jax.models.moe.set_expert_impl`).
       logprobs_chunk_size: positions per chunk of the logprob/entropy computation (never a ``[B, T, vocab]``
         float32 array; :func:`fp8rl_jax.trainer.logprobs.token_logprobs`); None = all at once.
       offload_optimizer: move the optimizer state to host memory (``pinned_host``) during each rollout and back
