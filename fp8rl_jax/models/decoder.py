@@ -159,6 +159,9 @@ class Attention(nnx.Module):
         # :mod:`fp8rl_jax.models.attention_impl`: ``"auto"`` (cuDNN flash attention for cache-less forwards on a
         # CUDA GPU where cuDNN supports the call, XLA's attention otherwise), ``"xla"`` / None or ``"cudnn"``.
         self.attention_implementation = "auto"
+        # On a mesh (set by fp8rl_jax.trainer.model_setup.configure_train_model): ``shape -> Sharding`` of q, k and v
+        # before cuDNN attention, whose custom partitioner needs the three sharded alike; None: no constraint.
+        self.qkv_sharding = None
 
     def __call__(self, x, positions, inv_freq, kv_mask, q_slots, cache_kv=None, cache_index=None):
         """:meth:`forward`, sowing the q/k/v maxima (``nnx.Intermediate`` ``qkv_absmax``) when capture is on.
@@ -277,8 +280,12 @@ class Attention(nnx.Module):
             return jnp.einsum("bkgst,btkd->bskgd", probs, v_)
 
         def attention(impl):
-            return lambda q_, k_, v_: jax.nn.dot_product_attention(
-                q_, k_.astype(q_.dtype), v_.astype(q_.dtype), mask=allowed[:, None], implementation=impl)
+            def run(q_, k_, v_):
+                k_, v_ = k_.astype(q_.dtype), v_.astype(q_.dtype)
+                if impl == "cudnn" and self.qkv_sharding is not None:
+                    q_, k_, v_ = (jax.lax.with_sharding_constraint(t, self.qkv_sharding(t.shape)) for t in (q_, k_, v_))
+                return jax.nn.dot_product_attention(q_, k_, v_, mask=allowed[:, None], implementation=impl)
+            return run
 
         if qk_scale is not None:
             out = einsum_attention(q, k, v)

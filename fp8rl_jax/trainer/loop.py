@@ -34,7 +34,6 @@ from fp8rl_jax.fp8.kv_cache import (KV_SCALE_CALIBRATIONS, KVScales, calibrate_k
                                     normalize_kv_cache_dtype)
 from fp8rl_jax.models.decoder import positions_from_mask, qkv_absmax_from_intermediates, set_qkv_capture
 from fp8rl_jax.models.loading import build_model, load_checkpoint, load_tokenizer_for
-from fp8rl_jax.models.moe import set_expert_impl
 from fp8rl_jax.parallel.loading import build_sharded_model, shard_optimizer
 from fp8rl_jax.parallel.mesh import MeshConfig, format_mesh_shape, mesh_from, mesh_shape_of
 from fp8rl_jax.rollout import verify
@@ -45,8 +44,9 @@ from fp8rl_jax.trainer.checkpoint import (CheckpointStore, load_model_state, loa
                                           optimizer_state)
 from fp8rl_jax.trainer import dapo
 from fp8rl_jax.trainer.config import TrainConfig
+from fp8rl_jax.trainer.model_setup import configure_train_model
 from fp8rl_jax.trainer.distributed import gather_rollout, process_prompt_slice, to_host
-from fp8rl_jax.trainer.precision import (LossScaleConfig, LossScaleState, apply_train_precision, compute_dtype,
+from fp8rl_jax.trainer.precision import (LossScaleConfig, LossScaleState, compute_dtype,
                                          init_loss_scale, wrap_optimizer)
 from fp8rl_jax.trainer.logprobs import left_pad, response_logprobs, sequence_routing
 from fp8rl_jax.trainer.train_step import CompiledTrainStep, StepOptions, check_micro_batching
@@ -116,16 +116,7 @@ class RLTrainer:
                 print(f"mesh {format_mesh_shape(mesh_shape_of(self.mesh))}: replicated where not divisible:\n"
                       f"{self.sharding_plan.summary()}", flush=True)
         del params
-        attn_impl = config.attention_implementation
-        tensor = dict(mesh_shape_of(self.mesh)).get("tensor", 1) if self.mesh is not None else 1
-        if attn_impl == "auto" and model_cfg.num_key_value_heads % tensor:
-            # cuDNN attention needs q, k, v sharded alike; KV heads the tensor axis does not divide are replicated
-            attn_impl = "xla"
-        for _, mod in nnx.iter_graph(self.model):
-            if hasattr(mod, "attention_implementation"):
-                mod.attention_implementation = attn_impl
-        set_expert_impl(self.model, config.expert_impl)
-        apply_train_precision(self.model, config.train_precision, fp8_grad=config.fp8_train_grad)
+        configure_train_model(self.model, config, model_cfg, self.mesh)
         self.optimizer = nnx.Optimizer(self.model, wrap_optimizer(make_optimizer(config), config.train_precision),
                                        wrt=nnx.Param)
         self.loss_scale_config = None
