@@ -18,10 +18,12 @@ BF16 = jnp.bfloat16
 
 
 def _rmsnorm(x, w, eps=1e-6):
-    """The unfused op, as fp8rl_jax.models.layers.RMSNorm computes it (float32, cast back to x's dtype)."""
+    """The unfused op, as fp8rl_jax.models.layers.RMSNorm computes it (float32, cast back to x's dtype), and the
+    kernel's ``norm=(sum_sq, weight, eps)``."""
     xf = x.astype(jnp.float32)
+    ssq = jnp.sum(xf * xf, axis=-1, keepdims=True)
     rinv = jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return (w.astype(jnp.float32) * (xf * rinv)).astype(x.dtype), rinv[:, 0]
+    return (w.astype(jnp.float32) * (xf * rinv)).astype(x.dtype), (ssq[:, 0], w, eps)
 
 
 def _case(m, n, k, seed=0):
@@ -40,11 +42,11 @@ def test_norm_prologue_and_residual_epilogue_equal_the_unfused_ops(m):
     reduction) within one bf16 step, since XLA may skip the product's rounding to bf16 before the add
     (``xla_allow_excess_precision``, on by default), as it may in the unfused engine program."""
     x, w, s, nw, r = _case(m, 256, 384, seed=m)
-    xn, rinv = _rmsnorm(x, nw)
+    xn, norm = _rmsnorm(x, nw)
     for splits in (1, 3):
         plain = fused_w8a8_decode_matmul(xn, w, s, splits=splits, interpret=True)
         want = np.asarray((r.astype(jnp.float32) + plain.astype(jnp.float32)).astype(BF16), np.float32)
-        got = fused_w8a8_decode_matmul(x, w, s, splits=splits, interpret=True, norm=(rinv, nw), residual=r)
+        got = fused_w8a8_decode_matmul(x, w, s, splits=splits, interpret=True, norm=norm, residual=r)
         assert got.dtype == BF16 and got.shape == (m, 256)
         if splits == 1:
             np.testing.assert_array_equal(np.asarray(got, np.float32), want)
@@ -58,12 +60,12 @@ def test_gated_epilogue_is_silu_gate_times_up(m):
     """``gated=True`` on a fused ``[gate; up]`` weight equals ``silu(gate) * up`` of the two products rounded to bf16,
     computed in float64 and rounded to bf16 once, within one bf16 step (the float32 sigmoid rounds differently)."""
     x, w, s, nw, _ = _case(m, 512, 256, seed=10 + m)
-    xn, rinv = _rmsnorm(x, nw)
+    xn, norm = _rmsnorm(x, nw)
     gu = fused_w8a8_decode_matmul(xn, w, s, splits=1, interpret=True)
     gate, up = jnp.split(gu, 2, axis=-1)
     g64, u64 = np.asarray(gate, np.float64), np.asarray(up, np.float64)
     want = g64 / (1 + np.exp(-g64)) * u64
-    got = fused_w8a8_decode_matmul(x, w, s, interpret=True, norm=(rinv, nw), gated=True)
+    got = fused_w8a8_decode_matmul(x, w, s, interpret=True, norm=norm, gated=True)
     assert got.shape == (m, 256) and got.dtype == BF16
     np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=2 ** -8, atol=1e-7)
 
@@ -73,7 +75,7 @@ def test_fused_arguments_are_checked_by_name():
     with pytest.raises(ValueError, match="residual"):
         fused_w8a8_decode_matmul(x, w, s, residual=r[:, :10], interpret=True)
     with pytest.raises(ValueError, match="norm="):
-        fused_w8a8_decode_matmul(x, w, s, norm=(jnp.ones(3), nw), interpret=True)
+        fused_w8a8_decode_matmul(x, w, s, norm=(jnp.ones(3), nw, 1e-6), interpret=True)
     with pytest.raises(ValueError, match="splits=1"):
         fused_w8a8_decode_matmul(x, w, s, gated=True, splits=3, interpret=True)
     w3, s3 = quantize_weight_blockwise(jnp.ones((384, 384), jnp.float32))
@@ -93,7 +95,7 @@ def test_fused_decode_kernel_lowers_for_cuda_unpadded_and_in_one_launch():
     split, whose result is the final bf16 output (no float32 partials, no XLA reduction after it)."""
     S = jax.ShapeDtypeStruct
     e4m3 = jnp.float8_e4m3fn
-    fn = lambda x, w, s, nw, r, ri: fused_w8a8_decode_matmul(x, w, s, norm=(ri, nw), residual=r)  # noqa: E731
+    fn = lambda x, w, s, nw, r, ms: fused_w8a8_decode_matmul(x, w, s, norm=(ms, nw, 1e-6), residual=r)  # noqa: E731
     hlo, kernels = _lower_for_cuda(fn, S((3, 4096), BF16), S((4096, 4096), e4m3), S((32, 32), jnp.float32),
                                    S((4096,), BF16), S((3, 4096), BF16), S((3,), jnp.float32))
     assert len(kernels) == 1

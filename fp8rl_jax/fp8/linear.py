@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 
+import jax
 import jax.numpy as jnp
 
 from fp8rl_jax.fp8.dot_general import cuda_gemm_impl, scaled_matmul
@@ -28,8 +29,17 @@ IMPLS = ("auto", "dequant", "blocked", "pallas", "fused", "mosaic")
 
 
 def w8a8_block_matmul(x: jnp.ndarray, weight: jnp.ndarray, weight_scale_inv: jnp.ndarray,
-                      block_size: int = BLOCK_SIZE, out_dtype=None, *, impl: str = "auto") -> jnp.ndarray:
+                      block_size: int = BLOCK_SIZE, out_dtype=None, *, impl: str = "auto", norm: tuple | None = None,
+                      gated: bool = False, residual: jnp.ndarray | None = None) -> jnp.ndarray:
     """FP8 W8A8 blockwise linear: ``x @ W.T`` with ``W = weight * weight_scale_inv`` blockwise.
+
+    With a decode layer's neighbours (issue 29; the same results as running them as separate ops): ``norm=(sum_sq,
+    weight, eps)`` first RMS-normalizes the rows as :class:`fp8rl_jax.models.layers.RMSNorm` computes it
+    (``(weight * (x * rsqrt(sum_sq / K + eps))).astype(x.dtype)`` in float32, ``sum_sq [..., 1]`` = ``sum(x**2)``);
+    ``gated=True`` takes ``weight`` as a fused ``[gate; up]`` and returns ``silu(gate) * up``; ``residual`` is added
+    to the result (``residual + y``). Lowered for CUDA with ``M <= 64`` rows they run inside the decode kernel
+    (:func:`fp8rl_jax.fp8.pallas_decode.fused_w8a8_decode_matmul`: one launch instead of up to four); elsewhere
+    they are the separate ops.
 
     Args:
       x: ``[..., K]`` activations (float32/bfloat16); quantized here to e4m3 in 1 x ``block_size`` groups
@@ -46,8 +56,10 @@ def w8a8_block_matmul(x: jnp.ndarray, weight: jnp.ndarray, weight_scale_inv: jnp
         activation quantization inside; bit-identical to ``"pallas"`` up to the order of the float32 additions of
         K-block partials).
 
+      norm, gated, residual: the fused neighbours above (``residual [..., N]``, ``[..., N/2]`` gated).
+
     Returns:
-      ``[..., N]`` in ``out_dtype``; accumulated in float32.
+      ``[..., N]`` (``[..., N/2]`` gated) in ``out_dtype``; accumulated in float32.
 
     Raises:
       ValueError: ``x.shape[-1] != weight.shape[1]``, a scale/weight mismatch or an unknown ``impl``.
@@ -66,20 +78,44 @@ def w8a8_block_matmul(x: jnp.ndarray, weight: jnp.ndarray, weight_scale_inv: jnp
         rows = math.prod(x.shape[:-1])
         mosaic_ok = block_size == BLOCK_SIZE and jnp.dtype(weight.dtype) in FP8_OPERAND_DTYPES
         family, kernel = cuda_gemm_impl(rows, mosaic_ok=mosaic_ok)
-        return choose(family, x, weight, weight_scale_inv,
-                      kernel=lambda *a: _matmul(*a, block_size, out_dtype, kernel, interpret=False),
-                      xla=lambda *a: _matmul(*a, block_size, out_dtype, "dequant"))
-    return _matmul(x, weight, weight_scale_inv, block_size, out_dtype, impl)
+        eps = None if norm is None else float(norm[2])  # static; the arrays go through choose
+        extra = (None if norm is None else tuple(norm[:2]), residual)
+        return choose(family, x, weight, weight_scale_inv, extra,
+                      kernel=lambda *a: _with_neighbours(*a, block_size, out_dtype, kernel, gated, eps,
+                                                         interpret=False),
+                      xla=lambda *a: _with_neighbours(*a, block_size, out_dtype, "dequant", gated, eps))
+    return _with_neighbours(x, weight, weight_scale_inv, (None if norm is None else tuple(norm[:2]), residual),
+                            block_size, out_dtype, impl, gated, None if norm is None else float(norm[2]))
+
+
+def _with_neighbours(x, weight, weight_scale_inv, extra, block_size, out_dtype, impl, gated, eps, interpret=None):
+    """The product with its fused neighbours: inside the decode kernel (``impl="fused"``), else as separate ops in
+    the order and roundings of the model's own (RMSNorm, the product, ``silu(gate) * up``, ``residual + y``)."""
+    norm, residual = extra
+    norm = None if norm is None else (*norm, eps)
+    n, k = weight.shape
+    *lead, _ = x.shape
+    if impl == "fused":
+        rows = math.prod(lead)
+        n_out = n // 2 if gated else n
+        nrm = None if norm is None else (norm[0].reshape(rows), norm[1], norm[2])
+        res = None if residual is None else residual.reshape(rows, n_out)
+        y = fused_w8a8_decode_matmul(x.reshape(rows, k), weight, weight_scale_inv, block_size=block_size,
+                                     out_dtype=out_dtype, norm=nrm, gated=gated, residual=res)
+        return y.reshape(*lead, n_out)
+    if norm is not None:  # as fp8rl_jax.models.layers.RMSNorm.apply
+        rinv = jax.lax.rsqrt(norm[0] / k + norm[2])
+        x = (norm[1].astype(jnp.float32) * (x.astype(jnp.float32) * rinv)).astype(x.dtype)
+    y = _matmul(x, weight, weight_scale_inv, block_size, out_dtype, impl, interpret)
+    if gated:
+        gate, up = jnp.split(y, 2, axis=-1)
+        y = jax.nn.silu(gate) * up
+    return y if residual is None else residual + y
 
 
 def _matmul(x, weight, weight_scale_inv, block_size, out_dtype, impl, interpret=None):
     n, k = weight.shape
     *lead, _ = x.shape
-    rows = math.prod(lead)
-    if impl == "fused":
-        y = fused_w8a8_decode_matmul(x.reshape(rows, k), weight, weight_scale_inv, block_size=block_size,
-                                     out_dtype=out_dtype)
-        return y.reshape(*lead, n)
     x2 = x.reshape(1, -1, k)
     xq, xs = _quantize_groups(x2, group_size=block_size, ue8m0=False, fp8_dtype=jnp.dtype(weight.dtype),
                               fp8_max=float(jnp.finfo(weight.dtype).max), recipe=ACTIVATION_RECIPE)

@@ -27,6 +27,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
@@ -56,8 +57,8 @@ def _decode_kernel(*refs, m, bm, kb_split, bk, fp8_dtype, fp8_max, ptx, norm, ga
     """Program (j, s): output columns ``[j*bn, (j+1)*bn)``, K blocks ``[s*kb_split, (s+1)*kb_split)``.
 
     Refs, in order: ``x [M, K]`` float (the whole, unpadded activation rows: ``bm`` rows are loaded with the rows
-    past ``M`` masked to zero, so no padded copy of ``x`` is made); with ``norm``: ``rinv [M, 1]`` float32 and the
-    RMSNorm weight ``[1, K]``; the weight tile ``[bn, kb_split*bk]`` e4m3 and its scales ``[1, kb_split]``; with
+    past ``M`` masked to zero, so no padded copy of ``x`` is made); with ``norm``: ``sum_sq [M, 1]`` float32 and
+    the RMSNorm weight ``[1, K]`` (``norm`` is then ``(1/K, eps)``); the weight tile ``[bn, kb_split*bk]`` e4m3 and its scales ``[1, kb_split]``; with
     ``gated`` a second weight tile and scales (the ``up`` rows of a fused ``[gate; up]`` weight); with ``residual``:
     ``r [M, N]``; the output: ``[M, N]`` in its dtype when ``final`` (one split: the epilogue runs here), else
     ``[splits, M, N_pad]`` float32 partial sums. Stores cover the ``M`` live rows only."""
@@ -65,7 +66,7 @@ def _decode_kernel(*refs, m, bm, kb_split, bk, fp8_dtype, fp8_max, ptx, norm, ga
 
     refs = list(refs)
     x_ref = refs.pop(0)
-    rinv_ref, nw_ref = (refs.pop(0), refs.pop(0)) if norm else (None, None)
+    rinv_ref, nw_ref = (refs.pop(0), refs.pop(0)) if norm is not None else (None, None)
     w_ref, ws_ref = refs.pop(0), refs.pop(0)
     wu_ref, wsu_ref = (refs.pop(0), refs.pop(0)) if gated else (None, None)
     r_ref = refs.pop(0) if residual else None
@@ -73,14 +74,15 @@ def _decode_kernel(*refs, m, bm, kb_split, bk, fp8_dtype, fp8_max, ptx, norm, ga
     j, s = pl.program_id(0), pl.program_id(1)
     bn = w_ref.shape[0]
     live = lax.broadcasted_iota(jnp.int32, (bm, bk), 0) < m
-    if norm:  # RMSNorm of the rows, as RMSNorm computes it: weight * (x * rsqrt(mean(x**2) + eps)) -> x's dtype
-        rinv = plgpu.load(rinv_ref.at[pl.ds(0, bm), :], mask=lax.broadcasted_iota(jnp.int32, (bm, 1), 0) < m,
-                          other=0.0)
+    if norm is not None:  # RMSNorm of the rows as RMSNorm computes it: weight * (x * rsqrt(mean(x**2) + eps))
+        ssq = plgpu.load(rinv_ref.at[pl.ds(0, bm), :], mask=lax.broadcasted_iota(jnp.int32, (bm, 1), 0) < m,
+                         other=1.0)
+        rinv = lax.rsqrt(ssq * jnp.float32(norm[0]) + jnp.float32(norm[1]))  # sum / K as XLA computes a mean
 
     def body(i, accs):
         col = (s * kb_split + i) * bk
         xk = plgpu.load(x_ref.at[pl.ds(0, bm), pl.ds(col, bk)], mask=live, other=0.0)
-        if norm:
+        if norm is not None:
             nw = nw_ref[:, pl.ds(col, bk)].astype(jnp.float32)
             xk = (nw * (xk.astype(jnp.float32) * rinv)).astype(xk.dtype)
         part = functools.partial(quantized_block_partial, fp8_dtype=fp8_dtype, fp8_max=fp8_max, ptx=ptx)
@@ -120,9 +122,9 @@ def choose_splits(n: int, k: int, *, bn: int = BLOCK_SIZE, block_size: int = BLO
 
 
 @functools.partial(jax.jit, static_argnames=("block_size", "bm", "bn", "splits", "out_dtype", "interpret",
-                                             "num_warps", "num_stages", "gated"))
-def _fused(x, wq, ws, rinv=None, norm_weight=None, residual=None, *, block_size, bm, bn, splits, out_dtype,
-           interpret, num_warps, num_stages, gated=False):
+                                             "num_warps", "num_stages", "gated", "eps"))
+def _fused(x, wq, ws, sum_sq=None, norm_weight=None, residual=None, *, block_size, bm, bn, splits, out_dtype,
+           interpret, num_warps, num_stages, gated=False, eps=None):
     m, k = x.shape
     n_all = wq.shape[0]
     n = n_all // 2 if gated else n_all
@@ -152,8 +154,8 @@ def _fused(x, wq, ws, rinv=None, norm_weight=None, residual=None, *, block_size,
         kwargs["compiler_params"] = plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
     whole = pl.BlockSpec()  # a whole array, read or written with row masks
     args, specs = [x], [whole]
-    if rinv is not None:
-        args += [rinv.astype(jnp.float32).reshape(m, 1), norm_weight.reshape(1, kp)]
+    if sum_sq is not None:
+        args += [sum_sq.astype(jnp.float32).reshape(m, 1), norm_weight.reshape(1, kp)]
         specs += [whole, whole]
     args += [wq, ws]
     specs += [pl.BlockSpec((bn, ks), lambda j, s: (j, s)), pl.BlockSpec((1, kb_split), lambda j, s: (j // ratio, s))]
@@ -169,7 +171,8 @@ def _fused(x, wq, ws, rinv=None, norm_weight=None, residual=None, *, block_size,
                  else jax.ShapeDtypeStruct((splits, m, np_), jnp.float32))
     out = pl.pallas_call(
         functools.partial(_decode_kernel, m=m, bm=bm, kb_split=kb_split, bk=block_size, fp8_dtype=wq.dtype,
-                          fp8_max=float(jnp.finfo(wq.dtype).max), ptx=not interpret, norm=rinv is not None,
+                          fp8_max=float(jnp.finfo(wq.dtype).max), ptx=not interpret,
+                          norm=None if sum_sq is None else (float(np.float32(1.0) / np.float32(k)), float(eps)),
                           gated=gated, residual=residual is not None and final, final=final),
         grid=(np_ // bn, splits),
         in_specs=specs,
@@ -206,9 +209,10 @@ def fused_w8a8_decode_matmul(x: jax.Array, weight: jax.Array, weight_scale_inv: 
 
     Optionally with a decode layer's neighbours fused in (issue 29: fewer kernels per decode step):
 
-    - ``norm=(rinv, weight)``: the rows are first RMS-normalized as :class:`fp8rl_jax.models.layers.RMSNorm` does,
-      ``(weight * (x * rinv)).astype(x.dtype)`` in float32, with ``rinv [M]`` = ``rsqrt(mean(x**2) + eps)`` computed
-      by the caller (a row reduction) and ``weight [K]``;
+    - ``norm=(sum_sq, weight, eps)``: the rows are first RMS-normalized as :class:`fp8rl_jax.models.layers.RMSNorm`
+      does, ``(weight * (x * rsqrt(sum_sq / K + eps))).astype(x.dtype)`` in float32 (``sum_sq / K`` as XLA computes
+      a mean: times the float32 ``1/K``), with ``sum_sq [M]`` = ``sum(x**2)`` computed by the caller (one row
+      reduction), ``weight [K]`` and ``eps`` a float;
     - ``gated=True``: ``weight`` is a fused ``[gate; up]`` ``[2I, K]`` (vLLM's ``gate_up_proj``, ``I`` a multiple of
       the block size) and the result is ``silu(gate) * up`` ``[M, I]``, computed in float32 from the two products
       rounded to ``out_dtype`` and rounded once (as XLA computes the unfused
@@ -252,10 +256,10 @@ def fused_w8a8_decode_matmul(x: jax.Array, weight: jax.Array, weight_scale_inv: 
         raise ValueError(f"fused_w8a8_decode_matmul(gated=True): weight rows {n} must be [gate; up] halves that are "
                          f"multiples of {block_size}")
     if norm is not None:
-        rinv, nw = norm
-        if tuple(jnp.shape(rinv)) not in ((m,), (m, 1)) or tuple(jnp.shape(nw)) != (k,):
-            raise ValueError(f"fused_w8a8_decode_matmul: norm=(rinv {tuple(jnp.shape(rinv))}, weight "
-                             f"{tuple(jnp.shape(nw))}) must be ([M]={m}, [K]={k})")
+        ms, nw, _ = norm
+        if tuple(jnp.shape(ms)) not in ((m,), (m, 1)) or tuple(jnp.shape(nw)) != (k,):
+            raise ValueError(f"fused_w8a8_decode_matmul: norm=(sum_sq {tuple(jnp.shape(ms))}, weight "
+                             f"{tuple(jnp.shape(nw))}, eps) must be ([M]={m}, [K]={k}, a float)")
     if residual is not None and tuple(residual.shape) != (m, n_out):
         raise ValueError(f"fused_w8a8_decode_matmul: residual {tuple(residual.shape)} must be [M, N] = {(m, n_out)}")
     tbn, tsplits = decode_tiling(n_out, k, fused_epilogue=gated or residual is not None, block_size=block_size)
@@ -268,13 +272,14 @@ def fused_w8a8_decode_matmul(x: jax.Array, weight: jax.Array, weight_scale_inv: 
     if gated and splits != 1:
         raise ValueError("fused_w8a8_decode_matmul(gated=True) needs splits=1 (the epilogue needs whole sums)")
     bm = int(max(16, pl.next_power_of_2(m)))
-    rinv, nw = (None, None) if norm is None else (jnp.asarray(norm[0]).reshape(m), jnp.asarray(norm[1]))
+    ms, nw, eps = (None, None, None) if norm is None else (jnp.asarray(norm[0]).reshape(m), jnp.asarray(norm[1]),
+                                                           float(norm[2]))
     out_dtype = jnp.dtype(out_dtype or x.dtype)
     if residual is not None:
         residual = residual.astype(out_dtype)
-    return run_pallas(_fused, x, weight, weight_scale_inv.astype(jnp.float32), rinv, nw, residual,
+    return run_pallas(_fused, x, weight, weight_scale_inv.astype(jnp.float32), ms, nw, residual,
                       block_size=block_size, bm=bm, bn=bn, splits=splits, out_dtype=out_dtype, interpret=interpret,
-                      num_warps=num_warps, num_stages=num_stages, gated=bool(gated))
+                      num_warps=num_warps, num_stages=num_stages, gated=bool(gated), eps=eps)
 
 
 def _selftest_decode_gemm(interpret: bool = False) -> None:

@@ -173,8 +173,12 @@ class Attention(nnx.Module):
             self.sow(nnx.Intermediate, "qkv_absmax", amax)
         return out, new_kv
 
-    def forward(self, x, positions, inv_freq, kv_mask, q_slots, cache_kv=None, cache_index=None):
+    def forward(self, x, positions, inv_freq, kv_mask, q_slots, cache_kv=None, cache_index=None, *, norm=None,
+                residual=None):
         """Attention over ``x [B, S, hidden]``; returns ``(out [B, S, hidden], new_kv or None, qkv_absmax)``.
+
+        ``norm=(sum_sq, weight, eps)`` (:meth:`RMSNorm.fused`) RMS-normalizes ``x`` before the projections and ``residual`` is added to ``out``
+        (:meth:`Linear.__call__`; the FP8 engine's decode step runs them inside the q/k/v and o_proj kernels).
 
         ``qkv_absmax`` is float32 ``[3 (q, k, v), B, S]`` (per-token max |.| after QK-norm and RoPE, gradient
         stopped) in a cache-less forward with ``capture_qkv_absmax`` set, else None; this method never sows (it
@@ -207,8 +211,9 @@ class Attention(nnx.Module):
         b, s, _ = x.shape
         if self.qkv_proj is not None:  # fused [q; k; v] rows: one product, split by columns
             nq, nkv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-            q, k, v = jnp.split(self.qkv_proj(x), [nq, nq + nkv], axis=-1)
+            q, k, v = jnp.split(self.qkv_proj(x, norm=norm), [nq, nq + nkv], axis=-1)
         else:
+            x = x if norm is None else RMSNorm.apply(x, *norm)
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         q = checkpoint_name(q, QUERY_PROJ).reshape(b, s, self.num_heads, self.head_dim)
         k = checkpoint_name(k, KEY_PROJ).reshape(b, s, self.num_kv_heads, self.head_dim)
@@ -242,13 +247,19 @@ class Attention(nnx.Module):
                                                        interpret=interpret).reshape(b, s, self.num_heads * self.head_dim)
 
                     out = fp8_kv_attention_dispatch(mode, q, ck, cv, kernel=kernel, xla=materialized)
-                return checkpoint_name(self.o_proj(out), OUT_PROJ), (ck, cv), qkv_absmax
+                return self._out(out, residual), (ck, cv), qkv_absmax
             ck = jax.lax.dynamic_update_slice(ck, k.astype(ck.dtype), (0, cache_index, 0, 0))
             cv = jax.lax.dynamic_update_slice(cv, v.astype(cv.dtype), (0, cache_index, 0, 0))
             k, v = ck.astype(self.dtype), cv.astype(self.dtype)
             new_kv = (ck, cv)
         out = self._attend(q, k, v, None, kv_mask, q_slots, cache_kv is not None)
-        return checkpoint_name(self.o_proj(out), OUT_PROJ), new_kv, qkv_absmax
+        return self._out(out, residual), new_kv, qkv_absmax
+
+    def _out(self, out, residual):
+        """``o_proj(out)`` (named for remat policies), or ``residual + o_proj(out)`` with the add fused."""
+        if residual is None:
+            return checkpoint_name(self.o_proj(out), OUT_PROJ)
+        return self.o_proj(out, residual=residual)
 
     def _fp8_cache_attention(self, q, ck, cv, ks, vs, qs, kv_mask, q_slots):
         """Attention over an e4m3 cache with the cache dequantized (``fp8 * scale``) before the product; with a
@@ -337,6 +348,16 @@ class DecoderLayer(nnx.Module):
         no cache). A pure function of the layer's state and inputs, so it can run under ``jax.checkpoint`` and as
         a ``lax.scan`` body (:meth:`CausalLM.hidden_states`), where the caller sows the maxima on ``self_attn``.
         """
+        if self.self_attn.qkv_proj is not None:
+            # the FP8 engine's fused projections: each norm goes into the next product and each residual add into
+            # the product before it (one decode kernel each on CUDA: fp8rl_jax.fp8.linear.w8a8_block_matmul), the
+            # same ops otherwise
+            x, new_kv, amax = self.self_attn.forward(x, positions, inv_freq, kv_mask, q_slots, cache_kv, cache_index,
+                                                     norm=self.input_layernorm.fused(x), residual=x)
+            if isinstance(self.mlp, MLP):
+                return self.mlp(x, norm=self.post_attention_layernorm.fused(x), residual=x), new_kv, None, amax
+            y, router_ids = self.mlp.forward(self.post_attention_layernorm(x), replay_ids)
+            return x + y, new_kv, router_ids, amax
         a, new_kv, amax = self.self_attn.forward(self.input_layernorm(x), positions, inv_freq, kv_mask, q_slots,
                                                  cache_kv, cache_index)
         x = x + a

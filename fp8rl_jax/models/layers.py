@@ -47,10 +47,28 @@ class Linear(nnx.Module):
             self.weight = nnx.Param(init(rngs.params(), (out_features, in_features), param_dtype))
         self.bias = nnx.Param(jnp.zeros((out_features,), param_dtype)) if use_bias else None
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        if self.precision == "fp8":
-            y = w8a8_block_matmul(x, self.weight[...], self.weight_scale_inv[...], self.block_size, out_dtype=self.dtype)
-        elif self.dot_general is not None:
+    def __call__(self, x: jax.Array, *, norm: tuple | None = None, gated: bool = False,
+                 residual: jax.Array | None = None) -> jax.Array:
+        """``x [..., in] -> [..., out]``; optional neighbours (the FP8 engine's decode step fuses them into one kernel:
+        :func:`fp8rl_jax.fp8.w8a8_block_matmul`): ``norm=(sum_sq, weight, eps)`` RMS-normalizes ``x`` first
+        (:meth:`RMSNorm.fused`), ``gated`` returns ``silu(gate) * up`` of a fused ``[gate; up]`` layer, ``residual`` is
+        added to the result. Without them: the plain product."""
+        if self.precision == "fp8" and self.bias is None:
+            return w8a8_block_matmul(x, self.weight[...], self.weight_scale_inv[...], self.block_size,
+                                     out_dtype=self.dtype, norm=norm, gated=gated, residual=residual)
+        if self.precision == "fp8":  # a bias comes between the product and its epilogues
+            y = w8a8_block_matmul(x, self.weight[...], self.weight_scale_inv[...], self.block_size,
+                                  out_dtype=self.dtype, norm=norm)
+            y = y + self.bias[...].astype(y.dtype)
+        else:
+            y = self._dense(x if norm is None else RMSNorm.apply(x, *norm))
+        if gated:
+            gate, up = jnp.split(y, 2, axis=-1)
+            y = jax.nn.silu(gate) * up
+        return y if residual is None else residual + y
+
+    def _dense(self, x: jax.Array) -> jax.Array:
+        if self.dot_general is not None:
             xd = x.astype(self.dtype)
             y = self.dot_general(xd, self.weight[...].astype(self.dtype), (((xd.ndim - 1,), (1,)), ((), ())))
         else:
@@ -68,9 +86,21 @@ class RMSNorm(nnx.Module):
         self.weight = nnx.Param(jnp.ones((dim,), param_dtype))
 
     def __call__(self, x: jax.Array) -> jax.Array:
+        return self.apply(x, *self.fused(x))
+
+    def fused(self, x: jax.Array) -> tuple:
+        """``(sum_sq, weight, eps)``: this norm as a :class:`Linear`'s ``norm=`` argument, with ``sum_sq`` =
+        ``sum(x**2)`` per row (float32 ``[..., 1]``: the reduction half, one XLA reduction; the rest is
+        :meth:`apply`, which the FP8 engine's decode kernels run in their prologue)."""
         xf = x.astype(jnp.float32)
-        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
-        return (self.weight[...].astype(jnp.float32) * xf).astype(x.dtype)
+        return jnp.sum(xf * xf, axis=-1, keepdims=True), self.weight[...], self.eps
+
+    @staticmethod
+    def apply(x: jax.Array, sum_sq: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+        """The elementwise half: ``(weight * (x * rsqrt(sum_sq / K + eps))).astype(x.dtype)`` in float32
+        (``sum_sq / K`` is ``jnp.mean``'s division, which XLA turns into a product with ``1/K``)."""
+        rinv = jax.lax.rsqrt(sum_sq / x.shape[-1] + eps)
+        return (weight.astype(jnp.float32) * (x.astype(jnp.float32) * rinv)).astype(x.dtype)
 
 
 class MLP(nnx.Module):
@@ -100,10 +130,13 @@ class MLP(nnx.Module):
             self.gate_up_proj = None
         self.down_proj = Linear(inter, cfg.hidden_size, **lin)
 
-    def __call__(self, x):
-        """``x [..., hidden] -> [..., hidden]``."""
+    def __call__(self, x, *, norm: tuple | None = None, residual=None):
+        """``x [..., hidden] -> [..., hidden]``; ``norm=(sum_sq, weight, eps)`` RMS-normalizes ``x`` first and ``residual`` is
+        added to the result (:meth:`Linear.__call__`: on the FP8 engine's decode step both run inside the kernels,
+        with ``silu(gate) * up`` in the fused ``gate_up_proj``'s)."""
         if self.gate_up_proj is not None:
-            gate, up = jnp.split(self.gate_up_proj(x), 2, axis=-1)
+            h = self.gate_up_proj(x, norm=norm, gated=True)
         else:
-            gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(jax.nn.silu(gate) * up)
+            x = x if norm is None else RMSNorm.apply(x, *norm)
+            h = jax.nn.silu(self.gate_proj(x)) * self.up_proj(x)
+        return self.down_proj(h, residual=residual)
