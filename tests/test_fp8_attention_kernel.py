@@ -149,7 +149,7 @@ def test_kernel_choice():
     shape = (2, 64, 2, 64)
     assert decode_kernel_choice("interpret", 1, shape) == "interpret"
     assert decode_kernel_choice("auto", 1, shape) == "auto"
-    assert decode_kernel_choice("interpret", 7, shape) is None  # prefill keeps the materialized path
+    assert decode_kernel_choice("interpret", 7, shape) == "interpret"  # prefill: fp8_kv_prefill_attention
     assert decode_kernel_choice("interpret", 1, (2, 8, 2, 64)) is None  # shorter than one tile
     assert decode_kernel_choice("interpret", 1, (2, 64, 2, 80)) is None  # head_dim not a power of two
 

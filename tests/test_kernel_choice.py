@@ -155,31 +155,37 @@ def test_each_kernel_selftest_passes_and_catches_a_wrong_kernel(family, monkeypa
     ``w8a8_gemm`` family's (the Mosaic GPU GEMM) is tested in test_wgmma_paths.py."""
     from fp8rl_jax.fp8 import pallas_attention, pallas_decode, pallas_grouped, pallas_quant
 
-    mod, fn = {"quant": (pallas_quant, "_pallas_quantize_3d"), "decode_gemm": (pallas_decode, "_fused"), "grouped_experts": (pallas_grouped, "_grouped"),
-               "fp8_kv_attention": (pallas_attention, "_decode")}[family]
+    mod, fns = {"quant": (pallas_quant, ["_pallas_quantize_3d"]), "decode_gemm": (pallas_decode, ["_fused"]),
+                "grouped_experts": (pallas_grouped, ["_grouped"]),
+                "fp8_kv_attention": (pallas_attention, ["_decode", "_prefill"])}[family]
     test = {"quant": pallas_quant._selftest_quant, "decode_gemm": pallas_decode._selftest_decode_gemm,
             "grouped_experts": pallas_grouped._selftest_grouped_experts,
             "fp8_kv_attention": pallas_attention._selftest_fp8_kv_attention}[family]
     assert kernels._selftests[family] is test  # registered at import
-    real = getattr(mod, fn)
+    real = {fn: getattr(mod, fn) for fn in fns}
 
-    def interpreted(*a, **kw):
-        return real(*a, **dict(kw, interpret=True))
+    def interpreted(fn):
+        return lambda *a, **kw: real[fn](*a, **dict(kw, interpret=True))
 
-    monkeypatch.setattr(mod, fn, interpreted)
-    test()  # the real kernel passes
+    for fn in fns:
+        monkeypatch.setattr(mod, fn, interpreted(fn))
+    test()  # the real kernels pass
 
-    def wrong(*a, **kw):
-        out = interpreted(*a, **kw)
-        if family == "quant":
-            q, s = out
-            bits = lax.bitcast_convert_type(q, jnp.uint8)
-            return lax.bitcast_convert_type(bits.at[0, 0, 0].set(bits[0, 0, 0] ^ 1), q.dtype), s
-        return jax.tree.map(lambda y: y * (1 + 2.0 ** -12) if y.dtype == jnp.float32 else y, out)
+    def wrong(fn):
+        def run(*a, **kw):
+            out = interpreted(fn)(*a, **kw)
+            if family == "quant":
+                q, s = out
+                bits = lax.bitcast_convert_type(q, jnp.uint8)
+                return lax.bitcast_convert_type(bits.at[0, 0, 0].set(bits[0, 0, 0] ^ 1), q.dtype), s
+            return jax.tree.map(lambda y: y * (1 + 2.0 ** -12) if y.dtype == jnp.float32 else y, out)
+        return run
 
-    monkeypatch.setattr(mod, fn, wrong)
-    with pytest.raises(kernels.KernelMismatch):
-        test()
+    for fn in fns:  # each kernel of the family wrong in turn
+        for other in fns:
+            monkeypatch.setattr(mod, other, wrong(other) if other == fn else interpreted(other))
+        with pytest.raises(kernels.KernelMismatch):
+            test()
 
 
 # -- exact rounding on CUDA (item 3) ----------------------------------------------------------------------------------

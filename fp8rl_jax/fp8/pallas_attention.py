@@ -86,12 +86,13 @@ def use_fp8_kv_kernel(impl: str | None) -> str | None:
 
 
 def decode_kernel_choice(impl: str | None, num_queries: int, cache_shape) -> str | None:
-    """How an attention call over an e4m3 cache may use this kernel: ``None`` (never), ``"auto"``, ``"pallas"`` or
-    ``"interpret"`` (see :func:`use_fp8_kv_kernel`).
+    """How an attention call over an e4m3 cache may use this module's kernels: ``None`` (never), ``"auto"``,
+    ``"pallas"`` or ``"interpret"`` (see :func:`use_fp8_kv_kernel`).
 
-    The hook of :meth:`fp8rl_jax.models.decoder.Attention.forward`: only a decode step (``num_queries == 1``) over a
-    cache the kernel takes (``T >= 16`` slots, ``head_dim`` a power of two >= 16) may use it; prefill and every other
-    shape keep the materialized path.
+    The hook of :meth:`fp8rl_jax.models.decoder.Attention.forward`: a decode step (``num_queries == 1``,
+    :func:`fp8_kv_decode_attention`) or a prefill (``num_queries > 1``, :func:`fp8_kv_prefill_attention`) over a cache
+    the kernels take (``T >= 16`` slots, ``head_dim`` a power of two >= 16) may use them; other shapes keep the
+    materialized path.
 
     Args:
       impl: a :data:`KV_ATTENTION_IMPLS` name (None = ``"auto"``).
@@ -103,7 +104,7 @@ def decode_kernel_choice(impl: str | None, num_queries: int, cache_shape) -> str
     """
     use = use_fp8_kv_kernel(impl)
     _, t, _, d = cache_shape
-    fits = num_queries == 1 and t >= MIN_TILE and d >= MIN_TILE and not d & (d - 1)
+    fits = num_queries >= 1 and t >= MIN_TILE and d >= MIN_TILE and not d & (d - 1)
     return use if fits else None
 
 
@@ -296,10 +297,160 @@ def fp8_kv_decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array
                    num_stages=num_stages)
 
 
+def _prefill_kernel(c_ref, slot_ref, mask_ref, q_ref, k_ref, v_ref, o_ref, *, bk, t, compute_dtype, precision):
+    """Program ``(b, h, r)``: rows ``[r * R, (r + 1) * R)`` of KV head ``h``'s (query position, head) pairs.
+
+    c_ref ``[2]`` float32 (score multiplier, ``v_scale``); slot_ref ``[R]`` int32 (each row's last visible slot; -1
+    for padding rows); mask_ref ``[T]`` int8; q_ref ``[R, D]``; k_ref, v_ref ``[T, D]`` e4m3 (row b, KV head h of the
+    cache, strided); o_ref ``[R, D]`` in the output dtype (normalized, times ``v_scale``)."""
+    r, d = q_ref.shape
+    slots = slot_ref[...]
+    hi = jnp.minimum(jnp.max(slots) + 1, t)  # the tile's rows see slots < hi
+    n = (hi + bk - 1) // bk
+    q = q_ref[...]
+    c = c_ref[0]
+    lane = lax.broadcasted_iota(jnp.int32, (bk,), 0)
+
+    def body(i, carry):
+        acc, m, l = carry
+        nominal = i * bk
+        start = jnp.minimum(nominal, t - bk)  # a tile overhanging T ends at T; its first slots are masked below
+        pos = start + lane
+        col = (mask_ref[pl.ds(start, bk)] != 0) & (pos >= nominal)  # [bk]
+        valid = col[None, :] & (pos[None, :] <= slots[:, None])  # [R, bk]: causal per row
+        k = k_ref[pl.ds(start, bk), :]
+        v = v_ref[pl.ds(start, bk), :]
+        kq = k if q.dtype == k.dtype else k.astype(compute_dtype)
+        sc = lax.dot_general(q, kq, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
+                             precision=precision) * c
+        sc = jnp.where(valid, sc, _NEG)
+        m_new = jnp.maximum(m, jnp.max(sc, axis=1))
+        alpha = jnp.exp(m - m_new)
+        p = jnp.where(valid, jnp.exp(sc - m_new[:, None]), 0.0)
+        l = l * alpha + jnp.sum(p, axis=1)
+        pv = lax.dot_general(p.astype(compute_dtype), v.astype(compute_dtype), (((1,), (0,)), ((), ())),
+                             preferred_element_type=jnp.float32, precision=precision)
+        return acc * alpha[:, None] + pv, m_new, l
+
+    init = (jnp.zeros((r, d), jnp.float32), jnp.full((r,), _NEG, jnp.float32), jnp.zeros((r,), jnp.float32))
+    acc, m, l = lax.fori_loop(0, n, body, init)
+    o_ref[...] = (acc * (c_ref[1] / jnp.where(l > 0, l, 1.0))[:, None]).astype(o_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("bk", "rows", "out_dtype", "interpret", "num_warps", "num_stages"))
+def _prefill(q, k_cache, v_cache, c, kv_mask, q_slots, *, bk, rows, out_dtype, interpret, num_warps, num_stages):
+    b, s, hq, d = q.shape
+    _, t, hkv, _ = k_cache.shape
+    g = hq // hkv
+    compute_dtype = jnp.dtype(out_dtype)
+    # rows of KV head h: its G query heads at every position, position-major: [B, H_kv, S * G, D]
+    q4 = jnp.transpose(q.reshape(b, s, hkv, g, d), (0, 2, 1, 3, 4)).reshape(b, hkv, s * g, d)
+    if not is_fp8_cache(q4):
+        q4 = q4.astype(compute_dtype)
+    slot = jnp.repeat(q_slots.astype(jnp.int32), g, axis=1)  # [B, S * G]
+    pad = -(-(s * g) // rows) * rows - s * g
+    if pad:
+        q4 = jnp.pad(q4, ((0, 0), (0, 0), (0, pad), (0, 0)))
+        slot = jnp.pad(slot, ((0, 0), (0, pad)), constant_values=-1)  # padding rows see nothing
+    precision = lax.Precision.HIGHEST if compute_dtype == jnp.float32 else None  # IEEE float32, not TF32
+    kwargs = {}
+    if not interpret:
+        from jax.experimental.pallas import triton as plgpu
+
+        kwargs["compiler_params"] = plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+    sq = pl.squeezed
+    nrows = s * g + pad
+    out = pl.pallas_call(
+        functools.partial(_prefill_kernel, bk=bk, t=t, compute_dtype=compute_dtype, precision=precision),
+        grid=(b, hkv, nrows // rows),
+        in_specs=[
+            pl.BlockSpec((2,), lambda i, h, r: (0,)),  # score multiplier, v_scale
+            pl.BlockSpec((sq, rows), lambda i, h, r: (i, r)),  # each row's last visible slot
+            pl.BlockSpec((sq, t), lambda i, h, r: (i, 0)),  # kv_mask row
+            pl.BlockSpec((sq, sq, rows, d), lambda i, h, r: (i, h, r, 0)),  # the tile's query rows
+            pl.BlockSpec((sq, t, sq, d), lambda i, h, r: (i, 0, h, 0)),  # K cache row i, head h (strided view)
+            pl.BlockSpec((sq, t, sq, d), lambda i, h, r: (i, 0, h, 0)),  # V cache
+        ],
+        out_specs=pl.BlockSpec((sq, sq, rows, d), lambda i, h, r: (i, h, r, 0)),
+        out_shape=jax.ShapeDtypeStruct((b, hkv, nrows, d), out_dtype),
+        interpret=interpret,
+        name="fp8_kv_prefill_attention",
+        **kwargs,
+    )(c, slot, kv_mask, q4, k_cache, v_cache)
+    out = out[:, :, :s * g].reshape(b, hkv, s, g, d)
+    return jnp.transpose(out, (0, 2, 1, 3, 4)).reshape(b, s, hq, d)
+
+
+def fp8_kv_prefill_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, k_scale, v_scale,
+                             kv_mask: jax.Array, q_slots: jax.Array, *, q_scale=None, sm_scale: float | None = None,
+                             block_k: int = 64, block_rows: int = 64, interpret: bool | None = None,
+                             num_warps: int = 4, num_stages: int = 2) -> jax.Array:
+    """Attention of several new tokens per row (prefill, or a chunk of it) over an e4m3 KV cache, dequantized inside
+    the kernel (flash attention over the cache: online softmax per tile, no ``[B, H, S, T]`` scores, no bf16 copy of
+    the cache).
+
+    ``out[b, s, h] = sum_t softmax_t(sm_scale * q[b, s, h] . K[b, t, h // G]) V[b, t, h // G]`` over the slots
+    visible to that query (``kv_mask[b, t] and t <= q_slots[b, s]``), ``K = k_cache * k_scale``,
+    ``V = v_cache * v_scale``: :func:`fp8_kv_decode_attention`'s semantics for ``S`` queries. Grid ``(B, H_kv,
+    ceil(S * G / block_rows))``: each program takes ``block_rows`` consecutive (position, query head) rows of one KV
+    head's group, so the group's heads share each K/V tile, and loops over the tiles up to its rows' last visible
+    slot (a dynamic trip count).
+
+    Args:
+      q: ``[B, S, H_q, D]`` queries after QK-norm and RoPE (bf16 / f16 / f32; the output dtype).
+      k_cache, v_cache: ``[B, T, H_kv, D]`` ``float8_e4m3fn`` (read in place); ``T >= block_k``.
+      k_scale, v_scale: float32 scalars.
+      kv_mask: bool ``[B, T]``. q_slots: int ``[B, S]``, each query's own slot.
+      q_scale: float32 scalar for FP8 attention (queries quantized to e4m3, ``QK^T`` on e4m3 operands), or None.
+      sm_scale: softmax scale (default ``D ** -0.5``).
+      block_k: slots per tile (a power of two >= 16). block_rows: query rows per program (a power of two >= 16).
+      interpret: default None: compiled where the program is lowered for CUDA, interpret mode elsewhere.
+
+    Returns:
+      ``[B, S, H_q, D]`` in ``q.dtype``. A query with no visible slot gets zeros.
+
+    Raises:
+      ValueError: a cache that is not e4m3, mismatched shapes, ``H_q`` not a multiple of ``H_kv``, ``D`` not a power
+        of two >= 16, ``T < block_k``, or a tile size that is not a power of two >= 16.
+
+    Source: FlashAttention-2's online softmax (Dao 2023) over vLLM's FP8 KV cache semantics.
+    """
+    if not (is_fp8_cache(k_cache) and is_fp8_cache(v_cache)):
+        raise ValueError(f"fp8_kv_prefill_attention needs an e4m3 cache, got {k_cache.dtype} / {v_cache.dtype}")
+    if q.ndim != 4 or k_cache.ndim != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(f"fp8_kv_prefill_attention: q {tuple(q.shape)} must be [B, S, H_q, D] and k/v caches "
+                         f"{tuple(k_cache.shape)} / {tuple(v_cache.shape)} the same [B, T, H_kv, D]")
+    b, s, hq, d = q.shape
+    _, t, hkv, _ = k_cache.shape
+    if k_cache.shape[0] != b or k_cache.shape[3] != d or hq % hkv:
+        raise ValueError(f"fp8_kv_prefill_attention: q {tuple(q.shape)} does not fit the cache "
+                         f"{tuple(k_cache.shape)} (same B and D, H_q a multiple of H_kv)")
+    if tuple(kv_mask.shape) != (b, t) or tuple(jnp.shape(q_slots)) != (b, s):
+        raise ValueError(f"fp8_kv_prefill_attention: kv_mask {tuple(kv_mask.shape)} must be [B, T] = {(b, t)} and "
+                         f"q_slots {tuple(jnp.shape(q_slots))} [B, S] = {(b, s)}")
+    for name, v in (("head_dim", d), ("block_k", block_k), ("block_rows", block_rows)):
+        if v < MIN_TILE or v & (v - 1):
+            raise ValueError(f"fp8_kv_prefill_attention: {name} {v} must be a power of two >= {MIN_TILE}")
+    bk = min(block_k, 1 << (t.bit_length() - 1))
+    if t < MIN_TILE:
+        raise ValueError(f"fp8_kv_prefill_attention: the cache has {t} slots, fewer than one {MIN_TILE}-slot tile")
+    sm_scale = d ** -0.5 if sm_scale is None else float(sm_scale)
+    ks = jnp.asarray(k_scale, jnp.float32)
+    if q_scale is not None:
+        qs = jnp.asarray(q_scale, jnp.float32)
+        qin, c = quantize_kv(q, qs), (qs * ks) * jnp.float32(sm_scale)
+    else:
+        qin, c = q, ks * jnp.float32(sm_scale)
+    cv = jnp.stack([c, jnp.asarray(v_scale, jnp.float32)])
+    return run_pallas(_prefill, qin, k_cache, v_cache, cv, kv_mask.astype(jnp.int8), jnp.asarray(q_slots, jnp.int32),
+                      bk=bk, rows=block_rows, out_dtype=jnp.dtype(q.dtype), interpret=interpret,
+                      num_warps=num_warps, num_stages=num_stages)
+
 def _selftest_fp8_kv_attention(interpret: bool = False) -> None:
     """Self-test of the ``fp8_kv_attention`` family: 2 rows x 4 query heads over a 40-slot e4m3 cache of 2 KV heads
-    (left padding, the query at slot 33 / 39, two splits) on the default device against the float64 formula on the
-    dequantized cache, to 1e-5 relative (float32 softmax and accumulation).
+    (left padding; decode: the query at slot 33 / 39, two splits; prefill: 5 causal queries per row) on the default
+    device against the float64 formula on the dequantized cache, to 1e-5 relative (float32 softmax and
+    accumulation).
 
     Raises:
       KernelMismatch: the outputs differ by more.
@@ -327,10 +478,23 @@ def _selftest_fp8_kv_attention(interpret: bool = False) -> None:
     p /= p.sum(-1, keepdims=True)
     ref = np.einsum("bht,bthd->bhd", p, v64)
     check_close("FP8-KV decode attention B=2 T=40", out, ref, np.einsum("bht,bthd->bhd", p, np.abs(v64)), 1e-5)
+    # prefill: 5 queries per row at slots 20..24 / 35..39 (causal), 16-row tiles
+    qp = rng.standard_normal((b, 5, hkv * g, d)).astype(np.float32)
+    slots = np.stack([np.arange(20, 25), np.arange(35, 40)]).astype(np.int32)
+    out = fp8_kv_prefill_attention(jnp.asarray(qp), jnp.asarray(kc), jnp.asarray(vc), ks, vs, jnp.asarray(mask),
+                                   jnp.asarray(slots), block_k=16, block_rows=16, interpret=interpret)
+    sc = np.einsum("bshd,bthd->bsht", qp.astype(np.float64), k64) / np.sqrt(d)
+    vis = mask[:, None, :] & (np.arange(t)[None, None, :] <= slots[:, :, None])
+    sc = np.where(vis[:, :, None, :], sc, -np.inf)
+    p = np.exp(sc - sc.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    check_close("FP8-KV prefill attention B=2 S=5 T=40", out, np.einsum("bsht,bthd->bshd", p, v64),
+                np.einsum("bsht,bthd->bshd", p, np.abs(v64)), 1e-5)
 
 
 register_selftest("fp8_kv_attention", _selftest_fp8_kv_attention)
 
 
 __all__ = ["KV_ATTENTION_IMPLS", "TARGET_PROGRAMS", "choose_splits", "decode_kernel_choice", "fp8_kv_decode_attention",
+           "fp8_kv_prefill_attention",
            "use_fp8_kv_kernel", "fp8_kv_attention_dispatch"]

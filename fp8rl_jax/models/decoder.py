@@ -36,7 +36,8 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from fp8rl_jax.fp8.kv_cache import dequantize_kv, is_fp8_cache, quantize_kv
-from fp8rl_jax.fp8.pallas_attention import decode_kernel_choice, fp8_kv_attention_dispatch, fp8_kv_decode_attention
+from fp8rl_jax.fp8.pallas_attention import (decode_kernel_choice, fp8_kv_attention_dispatch, fp8_kv_decode_attention,
+                                            fp8_kv_prefill_attention)
 from fp8rl_jax.models.attention_impl import dot_product_attention_dispatch
 from fp8rl_jax.models.config import ModelConfig
 from fp8rl_jax.models.experts import expert_names, is_expert_stack_name, stack_expert_tensors
@@ -241,10 +242,15 @@ class Attention(nnx.Module):
                 mode = decode_kernel_choice(getattr(self, "kv_attention", "auto"), s, ck.shape)
                 if mode is None:
                     out = materialized(q, ck, cv)
-                else:  # decode: the e4m3 cache is read and dequantized inside the attention kernel (CUDA)
+                else:  # the e4m3 cache is read and dequantized inside the attention kernel (decode or prefill)
                     def kernel(q_, ck_, cv_, *, interpret):
-                        return fp8_kv_decode_attention(q_[:, 0], ck_, cv_, ks, vs, kv_mask, q_slots[:, 0], q_scale=qs,
-                                                       interpret=interpret).reshape(b, s, self.num_heads * self.head_dim)
+                        if s == 1:
+                            o = fp8_kv_decode_attention(q_[:, 0], ck_, cv_, ks, vs, kv_mask, q_slots[:, 0],
+                                                        q_scale=qs, interpret=interpret)
+                        else:
+                            o = fp8_kv_prefill_attention(q_, ck_, cv_, ks, vs, kv_mask, q_slots, q_scale=qs,
+                                                         interpret=interpret)
+                        return o.reshape(b, s, self.num_heads * self.head_dim)
 
                     out = fp8_kv_attention_dispatch(mode, q, ck, cv, kernel=kernel, xla=materialized)
                 return self._out(out, residual), (ck, cv), qkv_absmax
