@@ -46,7 +46,7 @@ run() {  # run NAME CMD...: log to $LOG/NAME.log, remember a failure
 }
 if [[ $stages == *" tests "* ]]; then
   run gpu_tests "$PY" -m pytest -q -ra -p no:cacheprovider -m gpu tests/test_fp8_gpu.py tests/test_fused_projections.py \
-    tests/test_attention.py
+    tests/test_attention.py tests/test_wgmma_paths.py
   # a GPU test may skip only where no CUDA device exists, and this machine has one: any skip is a failure
   if grep -qE "[0-9]+ skipped|SKIPPED" "$LOG/gpu_tests.log"; then echo "run_gpu.sh: GPU tests were skipped"; status=1; fi
   grep -qE "[0-9]+ passed" "$LOG/gpu_tests.log" || { echo "run_gpu.sh: no GPU test ran"; status=1; }
@@ -55,6 +55,9 @@ if [[ $stages == *" tests "* ]]; then
   if grep -qE "[0-9]+ skipped|SKIPPED" "$LOG/gpu_tests_attention.log"; then echo "run_gpu.sh: GPU tests were skipped"; status=1; fi
   grep -qE "[0-9]+ passed" "$LOG/gpu_tests_attention.log" || { echo "run_gpu.sh: no attention GPU test ran"; status=1; }
   run unit_tests_attention "$PY" -m pytest -q -ra -p no:cacheprovider -m "not gpu" tests/test_fp8_attention_kernel.py
+  # the Mosaic GPU GEMM's own tests run their interpret-mode cases and, here, the kernel itself
+  run mosaic_tests "$PY" -m pytest -q -ra -p no:cacheprovider tests/test_mosaic_gemm.py tests/test_decode_fusion.py \
+    tests/test_fp8_prefill_attention.py tests/test_kernel_choice.py
   run unit_tests "$PY" -m pytest -q -ra -p no:cacheprovider tests/test_fp8_pallas.py tests/test_fp8_quant.py \
     tests/test_fp8_reference.py tests/test_fp8_dot.py tests/test_fp8_training.py tests/test_imports.py
 fi

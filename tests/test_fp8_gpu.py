@@ -165,3 +165,16 @@ def test_engine_on_gpu_scores_like_a_float64_forward(precision, kv):
                 assert rb.response_token_ids.shape == (4, 8) and np.isfinite(rb.rollout_logprobs).all()
     # bf16 activations and the FP8 GEMMs' accumulation order differ between XLA:CPU and the GPU kernels: allow 1.5x
     assert err["gpu"] <= 1.5 * err["cpu"] + 0.03, err
+
+
+def test_every_kernel_family_passes_its_selftest_on_the_gpu():
+    """Issue 28 (6): on the GPU every kernel family's one-time self-test (fp8rl_jax.fp8.kernels) passes, so "auto"
+    runs the project's kernels and nothing silently falls back to XLA; a failure here names the kernel and its error."""
+    from fp8rl_jax.fp8 import kernels
+    from fp8rl_jax.fp8 import pallas_attention, pallas_decode, pallas_grouped, pallas_quant  # noqa: F401 (register)
+    from fp8rl_jax.fp8 import mosaic_gemm  # noqa: F401
+    from fp8rl_jax.models import attention_impl  # noqa: F401
+
+    with kernels.kernel_mode_scope("auto"):
+        results = {family: kernels.selftest_passed(family) for family in kernels.FAMILIES}
+    assert all(results.values()), kernels.selftest_failures()
