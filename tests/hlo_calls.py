@@ -1,4 +1,4 @@
-"""Counting the Triton kernel launches of a lowered StableHLO module (for the CUDA-lowering tests on CPU)."""
+"""Counting the kernel launches of a lowered StableHLO module (for the CUDA-lowering tests on CPU)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,19 @@ import collections
 import re
 
 
-def triton_launches(hlo: str, kind=lambda line: "all") -> collections.Counter:
-    """Triton custom calls (``__gpu$xla.gpu.triton``) that ``@main`` executes, counted through the call graph.
+def is_triton(line: str) -> bool:
+    """A Pallas-Triton kernel's custom call."""
+    return "__gpu$xla.gpu.triton" in line
+
+
+def is_kernel(line: str) -> bool:
+    """A Pallas kernel's custom call: Triton or Mosaic GPU."""
+    return is_triton(line) or "stablehlo.custom_call @mosaic_gpu" in line
+
+
+def triton_launches(hlo: str, kind=lambda line: "all", match=is_triton) -> collections.Counter:
+    """Kernel custom calls (``match``: Triton's ``__gpu$xla.gpu.triton`` by default, :func:`is_kernel` for Mosaic GPU
+    too) that ``@main`` executes, counted through the call graph.
 
     A jitted kernel wrapper is lowered once into a private function that every use calls, so a plain text count
     would see one launch per distinct kernel; this walks ``call @f(...)`` edges from ``@main`` instead.
@@ -15,6 +26,7 @@ def triton_launches(hlo: str, kind=lambda line: "all") -> collections.Counter:
     Args:
       hlo: the module's text (``jax.jit(...).trace(...).lower(...).as_text()``).
       kind: maps a launch's line to the key it is counted under (default: everything under ``"all"``).
+      match: which lines are launches.
 
     Returns:
       ``Counter`` of launches per ``kind``.
@@ -32,9 +44,9 @@ def triton_launches(hlo: str, kind=lambda line: "all") -> collections.Counter:
         if name not in memo:
             c = collections.Counter()
             for line in funcs[name]:
-                if "__gpu$xla.gpu.triton" in line:
+                if match(line):
                     c[kind(line)] += 1
-                for callee in re.findall(r"call @(\w+)\(", line):
+                for callee in re.findall(r"(?<!custom_)call @(\w+)\(", line):
                     c.update(count(callee))
             memo[name] = c
         return memo[name]

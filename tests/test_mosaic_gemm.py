@@ -45,6 +45,7 @@ import numpy as np
 import pytest
 
 from fp8rl_jax.fp8.formats import CONTRACT
+from fp8rl_jax.gpu_target import H100_SXM_TARGET_CONFIG as H100_TARGET_CONFIG
 from fp8rl_jax.fp8.mosaic_gemm import (MosaicGemmConfig, batched_w8a8_matmul, default_config, fitted_config,
                                        mosaic_grouped_w8a8_matmul, mosaic_w8a8_matmul)
 from fp8_numpy_ref import quantize_blocks
@@ -282,21 +283,6 @@ def test_fitted_config_fits_and_matches_the_measured_limit():
 # ----------------------------------------------------------------------------------------------------------
 # (b) Deviceless compile for sm_90a.
 
-# The H100 SXM GpuTargetConfig of shared/GPU.md (a local copy until fp8rl_jax/gpu_target.py provides one).
-H100_TARGET_CONFIG = """
-gpu_device_info {
-  threads_per_block_limit: 1024 threads_per_warp: 32 shared_memory_per_block: 49152
-  shared_memory_per_core: 233472 threads_per_core_limit: 2048 core_count: 132 fpus_per_core: 128
-  block_dim_limit_x: 2147483647 block_dim_limit_y: 65535 block_dim_limit_z: 65535
-  memory_bandwidth: 3352320000000 l2_cache_size: 52428800 clock_rate_ghz: 1.98
-  device_memory_size: 84929347584 shared_memory_per_block_optin: 232448
-  cuda_compute_capability { major: 9 } registers_per_core_limit: 65536 registers_per_block_limit: 65536
-}
-platform_name: "CUDA"
-dnn_version_info { major: 9 minor: 7 }
-runtime_version { major: 13 minor: 0 patch: 0 }
-device_description_str: "NVIDIA H100 80GB HBM3"
-"""
 
 # name: (M, N, K, operand dtype, out dtype, grouped experts or 0, expected wgmma form)
 COMPILE_CASES = {

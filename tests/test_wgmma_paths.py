@@ -44,6 +44,7 @@ import numpy as np
 import pytest
 
 import fp8_numpy_ref as ref
+from hlo_calls import is_kernel, triton_launches
 from fp8rl_jax.fp8 import dot_general as dg
 from fp8rl_jax.fp8 import formats, kernels, linear, mosaic_gemm, training
 from fp8rl_jax.gpu_target import lowering_for_h100
@@ -224,35 +225,19 @@ def test_cuda_gemm_impl_is_the_one_choice_by_m():
 _MOSAIC_NAME = re.compile(r"fp8_blockwise_(?:grouped_)?gemm_wgmma(?:_1d1d)?")
 
 
+def _launch_kind(line: str) -> str:
+    if "stablehlo.custom_call @mosaic_gpu" in line:
+        m = _MOSAIC_NAME.search(line)
+        return "mosaic:" + (m.group(0) if m else "?")
+    m = re.search(r'\bname = "([^"]+)"', line)
+    return "triton:" + (m.group(1) if m else "?")
+
+
 def launches(hlo: str) -> collections.Counter:
-    """Kernel launches that ``@main`` of a lowered StableHLO module executes, through ``call`` edges (a jitted
-    wrapper is one private function however often it is called): ``"mosaic:<kernel name>"`` per Mosaic GPU custom
-    call, ``"triton:<kernel name>"`` per Pallas-Triton one."""
-    funcs, cur = {}, None
-    for line in hlo.splitlines():
-        m = re.match(r"\s*func\.func (?:public|private) @(\w+)\(", line)
-        if m:
-            cur = funcs.setdefault(m.group(1), [])
-        elif cur is not None:
-            cur.append(line)
-    memo: dict = {}
-
-    def count(name):
-        if name not in memo:
-            c = collections.Counter()
-            for line in funcs[name]:
-                if "stablehlo.custom_call @mosaic_gpu" in line:
-                    m = _MOSAIC_NAME.search(line)
-                    c["mosaic:" + (m.group(0) if m else "?")] += 1
-                elif "__gpu$xla.gpu.triton" in line:
-                    m = re.search(r'\bname = "([^"]+)"', line)
-                    c["triton:" + (m.group(1) if m else "?")] += 1
-                for callee in re.findall(r"(?<!custom_)call @(\w+)\(", line):
-                    c.update(count(callee))
-            memo[name] = c
-        return memo[name]
-
-    return count("main")
+    """Kernel launches that ``@main`` of a lowered StableHLO module executes, through ``call`` edges
+    (tests/hlo_calls.py): ``"mosaic:<kernel name>"`` per Mosaic GPU custom call, ``"triton:<kernel name>"`` per
+    Pallas-Triton one."""
+    return triton_launches(hlo, kind=_launch_kind, match=is_kernel)
 
 
 def mosaic_operand_types(hlo: str) -> list[str]:

@@ -123,6 +123,41 @@ def choose_splits(batch: int, num_kv_heads: int, num_blocks: int, target_program
     return int(max(1, min(num_blocks, -(-target_programs // max(1, batch * num_kv_heads)))))
 
 
+def _online_softmax(q, k_ref, v_ref, mask_ref, c, *, start0, n, t, bk, limit, compute_dtype, precision):
+    """The flash loop both kernels run: ``n`` tiles of ``bk`` slots from ``start0`` of one KV head's ``[T, D]`` e4m3
+    K/V, online softmax per query row. Row ``r`` sees slot ``pos`` iff ``mask_ref[pos]`` and ``pos <= limit[r]``;
+    ``S = (q . K^T) * c`` in float32, ``P`` cast to the compute dtype for ``P . V``. A tile that would overhang ``T``
+    is moved back to end at ``T`` and its already-covered slots are masked (every load in bounds).
+
+    Returns: ``(acc [R, D], m [R], l [R])`` float32 (unnormalized output, running max and sum)."""
+    rows, d = q.shape
+    lane = lax.broadcasted_iota(jnp.int32, (bk,), 0)
+
+    def body(i, carry):
+        acc, m, l = carry
+        nominal = start0 + i * bk
+        start = jnp.minimum(nominal, t - bk)
+        pos = start + lane
+        col = (mask_ref[pl.ds(start, bk)] != 0) & (pos >= nominal)  # [bk]
+        valid = col[None, :] & (pos[None, :] <= limit[:, None])  # [R, bk]
+        k = k_ref[pl.ds(start, bk), :]
+        v = v_ref[pl.ds(start, bk), :]
+        kq = k if q.dtype == k.dtype else k.astype(compute_dtype)
+        sc = lax.dot_general(q, kq, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
+                             precision=precision) * c
+        sc = jnp.where(valid, sc, _NEG)
+        m_new = jnp.maximum(m, jnp.max(sc, axis=1))
+        alpha = jnp.exp(m - m_new)
+        p = jnp.where(valid, jnp.exp(sc - m_new[:, None]), 0.0)
+        l = l * alpha + jnp.sum(p, axis=1)
+        pv = lax.dot_general(p.astype(compute_dtype), v.astype(compute_dtype), (((1,), (0,)), ((), ())),
+                             preferred_element_type=jnp.float32, precision=precision)
+        return acc * alpha[:, None] + pv, m_new, l
+
+    init = (jnp.zeros((rows, d), jnp.float32), jnp.full((rows,), _NEG, jnp.float32), jnp.zeros((rows,), jnp.float32))
+    return lax.fori_loop(0, n, body, init)
+
+
 def _kernel(c_ref, slot_ref, mask_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, bk, blocks_per_split, t,
             compute_dtype, precision):
     """Program ``(b, h, s)``: one KV head of one sequence over slots ``[s * blocks_per_split * bk, ...)``.
@@ -131,36 +166,13 @@ def _kernel(c_ref, slot_ref, mask_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref,
     (row b of ``kv_mask``); q_ref ``[G_p, D]`` (compute dtype, or e4m3 for FP8 attention); k_ref, v_ref ``[T, D]``
     e4m3 (row b, KV head h of the cache, strided, no copy); o_ref ``[G_p, D]``, m_ref / l_ref ``[G_p]`` float32
     (this split's unnormalized output, running max and sum)."""
-    gp, d = q_ref.shape
+    gp = q_ref.shape[0]
     split_start = pl.program_id(2) * (blocks_per_split * bk)
     hi = jnp.minimum(slot_ref[...] + 1, t)  # visible slots are < hi
     n = jnp.clip((hi - split_start + bk - 1) // bk, 0, blocks_per_split)
-    q = q_ref[...]
-    c = c_ref[...]
-    lane = lax.broadcasted_iota(jnp.int32, (bk,), 0)
-
-    def body(i, carry):
-        acc, m, l = carry
-        nominal = split_start + i * bk
-        start = jnp.minimum(nominal, t - bk)  # a tile overhanging T ends at T; its first slots are masked below
-        pos = start + lane
-        valid = (mask_ref[pl.ds(start, bk)] != 0) & (pos >= nominal) & (pos < hi)  # [bk]
-        k = k_ref[pl.ds(start, bk), :]
-        v = v_ref[pl.ds(start, bk), :]
-        kq = k if q.dtype == k.dtype else k.astype(compute_dtype)
-        s = lax.dot_general(q, kq, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
-                            precision=precision) * c  # [G_p, bk]
-        s = jnp.where(valid[None, :], s, _NEG)
-        m_new = jnp.maximum(m, jnp.max(s, axis=1))
-        alpha = jnp.exp(m - m_new)
-        p = jnp.where(valid[None, :], jnp.exp(s - m_new[:, None]), 0.0)
-        l = l * alpha + jnp.sum(p, axis=1)
-        pv = lax.dot_general(p.astype(compute_dtype), v.astype(compute_dtype), (((1,), (0,)), ((), ())),
-                             preferred_element_type=jnp.float32, precision=precision)
-        return acc * alpha[:, None] + pv, m_new, l
-
-    init = (jnp.zeros((gp, d), jnp.float32), jnp.full((gp,), _NEG, jnp.float32), jnp.zeros((gp,), jnp.float32))
-    acc, m, l = lax.fori_loop(0, n, body, init)
+    acc, m, l = _online_softmax(q_ref[...], k_ref, v_ref, mask_ref, c_ref[...], start0=split_start, n=n, t=t, bk=bk,
+                                limit=jnp.broadcast_to(hi - 1, (gp,)), compute_dtype=compute_dtype,
+                                precision=precision)
     o_ref[...] = acc
     m_ref[...] = m
     l_ref[...] = l
@@ -303,37 +315,10 @@ def _prefill_kernel(c_ref, slot_ref, mask_ref, q_ref, k_ref, v_ref, o_ref, *, bk
     c_ref ``[2]`` float32 (score multiplier, ``v_scale``); slot_ref ``[R]`` int32 (each row's last visible slot; -1
     for padding rows); mask_ref ``[T]`` int8; q_ref ``[R, D]``; k_ref, v_ref ``[T, D]`` e4m3 (row b, KV head h of the
     cache, strided); o_ref ``[R, D]`` in the output dtype (normalized, times ``v_scale``)."""
-    r, d = q_ref.shape
     slots = slot_ref[...]
-    hi = jnp.minimum(jnp.max(slots) + 1, t)  # the tile's rows see slots < hi
-    n = (hi + bk - 1) // bk
-    q = q_ref[...]
-    c = c_ref[0]
-    lane = lax.broadcasted_iota(jnp.int32, (bk,), 0)
-
-    def body(i, carry):
-        acc, m, l = carry
-        nominal = i * bk
-        start = jnp.minimum(nominal, t - bk)  # a tile overhanging T ends at T; its first slots are masked below
-        pos = start + lane
-        col = (mask_ref[pl.ds(start, bk)] != 0) & (pos >= nominal)  # [bk]
-        valid = col[None, :] & (pos[None, :] <= slots[:, None])  # [R, bk]: causal per row
-        k = k_ref[pl.ds(start, bk), :]
-        v = v_ref[pl.ds(start, bk), :]
-        kq = k if q.dtype == k.dtype else k.astype(compute_dtype)
-        sc = lax.dot_general(q, kq, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
-                             precision=precision) * c
-        sc = jnp.where(valid, sc, _NEG)
-        m_new = jnp.maximum(m, jnp.max(sc, axis=1))
-        alpha = jnp.exp(m - m_new)
-        p = jnp.where(valid, jnp.exp(sc - m_new[:, None]), 0.0)
-        l = l * alpha + jnp.sum(p, axis=1)
-        pv = lax.dot_general(p.astype(compute_dtype), v.astype(compute_dtype), (((1,), (0,)), ((), ())),
-                             preferred_element_type=jnp.float32, precision=precision)
-        return acc * alpha[:, None] + pv, m_new, l
-
-    init = (jnp.zeros((r, d), jnp.float32), jnp.full((r,), _NEG, jnp.float32), jnp.zeros((r,), jnp.float32))
-    acc, m, l = lax.fori_loop(0, n, body, init)
+    n = (jnp.minimum(jnp.max(slots) + 1, t) + bk - 1) // bk  # the tiles holding a slot some row sees
+    acc, _, l = _online_softmax(q_ref[...], k_ref, v_ref, mask_ref, c_ref[0], start0=0, n=n, t=t, bk=bk, limit=slots,
+                                compute_dtype=compute_dtype, precision=precision)
     o_ref[...] = (acc * (c_ref[1] / jnp.where(l > 0, l, 1.0))[:, None]).astype(o_ref.dtype)
 
 
