@@ -294,7 +294,7 @@ class Attention(nnx.Module):
             scores = scores / math.sqrt(self.head_dim)
             scores = jnp.where(allowed[:, None, None], scores, -1e30)
             probs = jax.nn.softmax(scores, axis=-1).astype(self.dtype)
-            return jnp.einsum("bkgst,btkd->bskgd", probs, v_)
+            return jnp.einsum("bkgst,btkd->bskgd", probs, v_).reshape(b, s, self.num_heads, self.head_dim)
 
         def attention(impl):
             def run(q_, k_, v_):
