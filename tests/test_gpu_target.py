@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax.experimental import pallas as pl
 
@@ -134,6 +135,47 @@ def test_kernels_per_loop_iteration_of_nested_loops():
     assert gt.loop_body_kernels(THUNKS.replace("kWhile", "kCopy")) == (None, {})
 
 
+GEMM_THUNKS = """\
+000: kWhile        [source       | sink        ]
+  condition:
+    001: kCustomKernel [source       | sink        ] loop_and_fusion grid: [1, 1, 1] threads: [1, 1, 1]  shared_memory: 0 bytes
+  body:
+    002: kCustomKernel [source       | next=003 (1)] fp8_w8a8_decode_splitk__3 grid: [48, 8, 1] threads: [128, 1, 1]  shared_memory: 0 bytes
+    003: kCustomKernel [prev=002 (1) | next=004 (1)] input_reduce_fusion grid: [1, 1, 1] threads: [256, 1, 1]  shared_memory: 0 bytes
+    004: kCustomKernel [prev=003 (1) | sink        ] gemm_fusion_dot_2 grid: [8, 1, 1] threads: [64, 1, 1]  shared_memory: 0 bytes
+"""
+# the optimized HLO of that body (instruction shapes as XLA:GPU prints them); the fused gate|up stack is passed
+# twice to the Pallas call (its two halves) and must count once
+GEMM_HLO = """\
+  %get-tuple-element.7 = f8e4m3fn[6144,4096]{1,0} get-tuple-element(%param.1), index=3
+  %get-tuple-element.8 = f32[48,32]{1,0} get-tuple-element(%param.1), index=4
+  %bitcast.1 = bf16[1,4096]{1,0} bitcast(%get-tuple-element.2)
+  %pallas_call.16 = f32[8,1,6144]{2,1,0} custom-call(%bitcast.1, %get-tuple-element.7, %get-tuple-element.8, /*index=3*/%get-tuple-element.7), custom_call_target="__gpu$xla.gpu.triton", operand_layout_constraints={bf16[1,4096]{1,0}}
+  %reduce.3 = bf16[1,6144]{1,0} fusion(%pallas_call.16), kind=kInput, calls=%fused_reduce
+  %cache.2 = (bf16[2,512,8,128]{3,2,1,0}, s32[]) get-tuple-element(%param.1), index=9
+  ROOT %gemm_fusion_dot.2 = bf16[8,4,128]{2,1,0} fusion(%reduce.3, %cache.2), kind=kCustom, calls=%gemm_comp
+"""
+
+
+def test_gemm_bytes_of_a_loop_iteration():
+    """Each matrix-product launch: its result + each distinct operand once (numpy: prod(shape) * itemsize);
+    the reduction fusion between them is not a GEMM; a tuple operand counts all its arrays."""
+    def nbytes(dtype, *shape):
+        return int(np.prod(shape)) * np.dtype(dtype).itemsize
+
+    ann = {1: "loop_and_fusion", 2: "pallas_call.16", 3: "reduce.3", 4: "gemm_fusion_dot.2"}
+    pallas_call = (nbytes(np.float32, 8, 1, 6144) + nbytes(np.uint8, 6144, 4096) + nbytes(np.float32, 48, 32)
+                   + nbytes(jnp.bfloat16, 1, 4096))
+    dot = nbytes(jnp.bfloat16, 8, 4, 128) + nbytes(jnp.bfloat16, 1, 6144) + nbytes(jnp.bfloat16, 2, 512, 8, 128) + 4
+    got = gt.loop_body_gemm_bytes(GEMM_THUNKS, GEMM_HLO, pallas=("fp8_w8a8_decode_splitk",), annotations=ann)
+    assert got == pallas_call + dot
+    assert gt.hlo_shape_bytes("(bf16[2,3]{1,0}, s32[])") == 16
+    with pytest.raises(ValueError, match="unknown HLO element type 'q9'"):
+        gt.hlo_shape_bytes("q9[3]")
+    assert gt.loop_body_gemm_bytes(GEMM_THUNKS, GEMM_HLO, annotations={}) is None  # no metadata: not guessed
+    assert gt.loop_body_gemm_bytes(GEMM_THUNKS.replace("kWhile", "kCopy"), GEMM_HLO, annotations=ann) is None
+
+
 def test_pallas_variant_names_and_custom_call_kinds():
     assert gt.pallas_base_name("fp8_w8a8_decode_splitk__7", ["fp8_w8a8_decode_splitk"]) == "fp8_w8a8_decode_splitk"
     assert gt.pallas_base_name("fp8_w8a8_decode_splitk", ["fp8_w8a8_decode_splitk"]) == "fp8_w8a8_decode_splitk"
@@ -197,6 +239,7 @@ def test_compile_for_h100_reads_its_dump(tmp_path):
     assert r.compile_s > 0 and r.memory["arguments"] == 256 * 256 * 2
     assert any("bf16" in g for g in r.gemm_instructions), r.gemm_instructions
     assert r.loop_body_kernels is not None and r.loop_body_kernels >= 2
+    assert r.loop_body_gemm_bytes >= 2 * 256 * 256 * 2  # the product reads y and writes its result
 
 
 def test_compile_error_summary_keeps_the_cause_and_the_project_frames():

@@ -71,15 +71,29 @@ def _assert_tree_close(a, b, rtol=1e-5, atol=1e-6):
                                    err_msg=str(k))
 
 
+@pytest.fixture(scope="module")
+def plain_loop_reference():
+    """``arch -> _loss_grad`` of the plain loop on ``_batch()``, computed once per architecture (the same reference
+    for every policy of that architecture)."""
+    refs = {}
+
+    def get(arch):
+        if arch not in refs:
+            refs[arch] = _loss_grad(_model(CFGS[arch]), *_batch())
+        return refs[arch]
+
+    return get
+
+
 @pytest.mark.parametrize("arch,policy,scan", [
     ("dense", "full", False), ("dense", "dots_with_no_batch_dims_saveable", False), ("dense", "none", True),
     ("dense", "save_qkv_proj", True), ("moe", "full", True), ("moe", "dots_saveable", False),
     ("moe_mixed", "full", True),  # dense + sparse mix: scan falls back to the (rematted) loop
 ])
-def test_logits_and_grads_equal_plain_loop(arch, policy, scan):
+def test_logits_and_grads_equal_plain_loop(plain_loop_reference, arch, policy, scan):
     cfg = CFGS[arch]
     ids, pos, mask = _batch()
-    ref = _loss_grad(_model(cfg), ids, pos, mask)
+    ref = plain_loop_reference(arch)
     got = _loss_grad(_model(cfg, remat_policy=policy, scan_layers=scan), ids, pos, mask)
     np.testing.assert_allclose(float(got[0]), float(ref[0]), rtol=1e-6)
     np.testing.assert_allclose(np.asarray(got[1]), np.asarray(ref[1]), rtol=1e-5, atol=1e-5)

@@ -101,6 +101,14 @@ def test_routing_mismatch_vs_numpy():
 # -- the engine's record ------------------------------------------------------------------------------------
 
 
+@pytest.fixture(scope="module")
+def moe8():
+    """``(cfg, model, rollout)``: the 8-expert top-2 model and its float32 rollout (n=2, 6 tokens), shared by the
+    tests that only read them (built and compiled once; no test changes the model)."""
+    cfg, model = _moe(num_experts=8, num_experts_per_tok=2)
+    return cfg, model, _rollout(cfg, model)
+
+
 def _manual_forward(model, ids, kv_mask, routed):
     """Layer-by-layer cache-less forward replaying ``routed`` [B, S, L, k]; returns each layer's router input."""
     positions = positions_from_mask(kv_mask)
@@ -119,12 +127,11 @@ def _manual_forward(model, ids, kv_mask, routed):
     return router_in
 
 
-def test_engine_records_top_k_of_float64_router():
+def test_engine_records_top_k_of_float64_router(moe8):
     """float32 engine (prefill + every decode step): the recorded ids are the top-k of a float64 numpy router
     (softmax of ``x @ gate.T``) on the hidden states of the same path (the record replayed through a cache-less
     forward); near-ties (float64 margin < 1e-4) are the only allowed exceptions, and must be rare."""
-    cfg, model = _moe(num_experts=8, num_experts_per_tok=2)
-    rb = _rollout(cfg, model)
+    cfg, model, rb = moe8
     n, t, n_layers, k = rb.routed_experts.shape
     assert (n_layers, k) == (cfg.num_hidden_layers, 2) and rb.routed_experts.dtype == np.int32
     assert [len(p) for p in rb.prompt_routed_experts] == [len(p) for p in rb.prompt_token_ids]
@@ -171,12 +178,11 @@ def _batch(rb):
     return jnp.asarray(pid), jnp.asarray(pmask), jnp.asarray(rb.response_token_ids), jnp.asarray(routed)
 
 
-def test_replayed_trainer_forward_reproduces_rollout_path():
+def test_replayed_trainer_forward_reproduces_rollout_path(moe8):
     """Same float32 weights: the replayed forward gives the rollout's logprobs (cache-less vs KV cache: float32
     rounding only), its own routing equals the record (routing_mismatch 0), and replay of the own choice is
     bit-identical to no replay."""
-    cfg, model = _moe(num_experts=8, num_experts_per_tok=2)
-    rb = _rollout(cfg, model)
+    cfg, model, rb = moe8
     pid, pmask, rid, routed = _batch(rb)
     lp_r, own = response_logprobs_and_routing(model, pid, pmask, rid, 1.0, routed)
     mask = rb.response_mask > 0
@@ -189,10 +195,10 @@ def test_replayed_trainer_forward_reproduces_rollout_path():
     assert np.array_equal(np.asarray(lp_n)[mask], np.asarray(lp_r)[mask])
 
 
-def test_fp8_rollout_replay_runs_the_recorded_experts():
+def test_fp8_rollout_replay_runs_the_recorded_experts(moe8):
     """FP8 rollout vs float32 trainer: where the trainer's own top-k differs from the record, the replayed forward
     still runs exactly the recorded experts (checked per block), and its logprobs move towards the rollout's."""
-    cfg, model = _moe(num_experts=8, num_experts_per_tok=2)
+    cfg, model, _ = moe8
     rb = _rollout(cfg, model, precision="fp8", max_tokens=8)
     pid, pmask, rid, routed = _batch(rb)
     blk = model.model.layers[1].mlp
@@ -260,12 +266,13 @@ def test_router_gradient_under_replay_matches_float64_finite_differences(norm):
     np.testing.assert_allclose(g_jax, fd, rtol=2e-3, atol=2e-5 * np.abs(fd).max())
 
 
-def test_model_router_gets_gradient_under_replay():
-    cfg, model = _moe(num_experts=8, num_experts_per_tok=2)
+def test_model_router_gets_gradient_under_replay(moe8):
+    cfg, model, _ = moe8
     rb = _rollout(cfg, model, max_tokens=4)
     pid, pmask, rid, routed = _batch(rb)
     m = jnp.asarray(rb.response_mask)
-    grads = nnx.grad(lambda mdl: jnp.sum(response_logprobs(mdl, pid, pmask, rid, 1.0, routed) * m))(model)
+    # jitted: the same gradient as one program (op by op, the backward of the whole model took ~20 s)
+    grads = nnx.jit(nnx.grad(lambda mdl: jnp.sum(response_logprobs(mdl, pid, pmask, rid, 1.0, routed) * m)))(model)
     for i in range(cfg.num_hidden_layers):
         assert np.abs(np.asarray(grads.model.layers[i].mlp.gate.weight[...])).max() > 0
 

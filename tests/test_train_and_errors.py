@@ -189,7 +189,11 @@ def test_ctrl_c_names_the_kept_checkpoint(tiny_dir, tmp_path):
     out = tmp_path / "int"
     p = subprocess.Popen([sys.executable, "scripts/train.py", *_tiny_args(tiny_dir, out, 50)], cwd=ROOT,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         env={**os.environ, "HF_HUB_OFFLINE": "1"})
+                         env={**os.environ, "HF_HUB_OFFLINE": "1"},
+                         # a user's Ctrl-C: SIGINT at its default in the child (a pytest started as a background job
+                         # of a non-interactive shell has SIGINT ignored, which the child would inherit and never
+                         # raise KeyboardInterrupt)
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.time() + 300
     ckpts = out / "checkpoints"
     # any committed step (keep_checkpoints may already have removed step 1 when the steps are fast)
