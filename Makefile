@@ -47,17 +47,21 @@ setup-cuda: $(VENV_CUDA)/.cuda-ok
 train: setup
 	$(PY) scripts/train.py --gin_file=$(GIN_FILE) --output_dir=$(OUTPUT_DIR) --resume=auto $(GIN_PARAMS)
 
-# The test suite and, side by side with it, every GPU program compiled for an H100 (sm_90a) on this CPU: the tests
-# keep about one core busy (XLA:CPU compiles one program at a time; the mesh and multi-process tests wait on their
-# subprocesses), the compile worker takes the other. Fails if a test fails or any program does not compile; the
-# compile log is printed at the end (and kept in $(H100_COMPILE_DIR)/compile.log).
-test: setup-test setup-cuda
+# The test suite and, side by side with it, the CUDA environment's set-up and then every GPU program compiled for an
+# H100 (sm_90a) on this CPU: the tests keep about one core busy (XLA:CPU compiles one program at a time; the mesh and
+# multi-process tests wait on their subprocesses), the download and the compile worker take the other. Fails if a
+# test fails, the set-up fails or any program does not compile; that log is printed at the end (and kept in
+# $(H100_COMPILE_DIR)/compile.log). The sub-make is called as `make`, not $(MAKE), so that `make -n test` stays a dry
+# run (GNU make runs any recipe line naming $(MAKE) even under -n); command-line variables still reach it.
+test: setup-test
 	@mkdir -p $(H100_COMPILE_DIR)
-	@$(PY_CUDA) scripts/compile_h100.py --jobs=1 --output_dir=$(H100_COMPILE_DIR) \
+	@( make --no-print-directory setup-cuda && \
+	   $(PY_CUDA) scripts/compile_h100.py --jobs=1 --output_dir=$(H100_COMPILE_DIR) ) \
 	    > $(H100_COMPILE_DIR)/compile.log 2>&1 & compile_pid=$$!; \
+	trap 'pkill -P $$compile_pid 2>/dev/null; kill $$compile_pid 2>/dev/null' INT TERM; \
 	$(PY) -m pytest -q -ra --durations=25 tests; tests_rc=$$?; \
 	wait $$compile_pid; compile_rc=$$?; \
-	echo "== scripts/compile_h100.py (H100 compile of every GPU program; exit $$compile_rc)"; \
+	echo "== make setup-cuda, scripts/compile_h100.py (H100 compile of every GPU program; exit $$compile_rc)"; \
 	cat $(H100_COMPILE_DIR)/compile.log; \
 	test $$tests_rc -eq 0 && test $$compile_rc -eq 0
 

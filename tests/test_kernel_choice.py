@@ -148,6 +148,59 @@ def test_selftest_runs_once_even_mid_trace(cpu_as_gpu, monkeypatch):
     assert runs == [4.0]
 
 
+def test_a_family_without_a_registered_selftest_fails_it(cpu_as_gpu, monkeypatch):
+    """A kernel whose module never registered its self-test is not trusted untested (the grouped-expert module was
+    once imported only inside its kernel branch, after the choice)."""
+    monkeypatch.delitem(kernels._selftests, "grouped_experts", raising=False)
+    with pytest.warns(RuntimeWarning, match=r"grouped W8A8 MoE expert GEMM .* failed its self-test .*no self-test "
+                                            r"registered for kernel family 'grouped_experts'"):
+        assert kernels.use_kernel("grouped_experts") is False
+
+
+def test_the_registering_modules_are_imported_with_the_model():
+    """Every family's self-test is registered once the model and engine modules are imported (what a program that
+    chooses a kernel has imported), so none can be chosen before its test exists."""
+    import fp8rl_jax.models.moe  # noqa: F401
+    import fp8rl_jax.rollout.engine  # noqa: F401
+
+    assert set(kernels._selftests) == set(kernels.FAMILIES)
+
+
+def test_a_choice_inside_a_selftest_does_not_wait(cpu_as_gpu, monkeypatch):
+    """A self-test whose own path chooses another family's kernel neither deadlocks nor runs that family's test
+    (it runs in a marked thread, and the first family's lock is held meanwhile)."""
+    runs = []
+
+    def inner():
+        runs.append("decode_gemm")
+
+    def outer():
+        runs.append("w8a8_gemm")
+        out = kernels.choose("decode_gemm", jnp.ones(2), kernel=lambda a: a + 1, xla=lambda a: a - 1)
+        runs.append(float(out[0]))
+
+    monkeypatch.setitem(kernels._selftests, "w8a8_gemm", outer)
+    monkeypatch.setitem(kernels._selftests, "decode_gemm", inner)
+    assert kernels.use_kernel("w8a8_gemm") is True
+    assert runs == ["w8a8_gemm", 0.0]  # eager on the CPU: the XLA branch; decode_gemm's own test not run from there
+    assert kernels.use_kernel("decode_gemm") is True and runs[-1] == "decode_gemm"
+
+
+def test_choose_without_a_family_is_the_platform_branch(cpu_as_gpu, monkeypatch):
+    """``choose(None, ...)``: XLA's own CUDA path (e.g. its FP8 dot for e5m2 x e4m3): no self-test gates it, and the
+    kernel mode does not either; lowered for CUDA it is the ``kernel`` branch."""
+    monkeypatch.setitem(kernels._selftests, "w8a8_gemm", lambda: pytest.fail("no self-test may run"))
+
+    def f(x):
+        return kernels.choose(None, x, kernel=lambda a: a + 1, xla=lambda a: a - 1)
+
+    np.testing.assert_array_equal(f(jnp.ones(2)), 0.0)
+    with kernels.kernel_mode_scope("xla"):
+        cuda = _cuda_text(f, S((2,), jnp.float32))
+    assert "stablehlo.add" in cuda and "stablehlo.subtract" not in cuda
+    assert "stablehlo.subtract" in _cpu_text(f, S((2,), jnp.float32))
+
+
 @pytest.mark.parametrize("family", ["quant", "decode_gemm", "grouped_experts", "fp8_kv_attention"])
 def test_each_kernel_selftest_passes_and_catches_a_wrong_kernel(family, monkeypatch):
     """Every Triton family's self-test (in interpret mode here) passes with the real kernel and raises KernelMismatch

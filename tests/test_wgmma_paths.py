@@ -209,7 +209,7 @@ def test_cuda_gemm_impl_is_the_one_choice_by_m():
     assert [dg.cuda_gemm_impl(m) for m in (65, 127, 128, 4096)] == [("w8a8_gemm", "mosaic")] * 4
     assert dg.cuda_gemm_impl(4, decode_ok=False) == ("w8a8_gemm", "mosaic")
     assert dg.cuda_gemm_impl(4, batch=3) == ("w8a8_gemm", "mosaic")
-    assert dg.cuda_gemm_impl(4096, mosaic_ok=False, decode_ok=False) == ("w8a8_gemm", "blocked")
+    assert dg.cuda_gemm_impl(4096, mosaic_ok=False, decode_ok=False) == (None, "blocked")
     e4, e5 = dg.OperandQuant("group", "e4m3"), dg.OperandQuant("group", "e5m2")
     blk = dg.OperandQuant("block", "e4m3")
     assert dg.mosaic_operands(e4, blk) and dg.mosaic_operands(e4, e4) and not dg.mosaic_operands(e5, blk)

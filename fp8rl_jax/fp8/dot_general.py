@@ -42,7 +42,7 @@ from jax import lax
 from fp8rl_jax.fp8.formats import (ACTIVATION_RECIPE, BLOCK_SIZE, VLLM_TENSOR_NATIVE, WEIGHT_RECIPE, QuantRecipe,
                                    block_amax, compute_scale, fp8_dtype, scale_values, to_f32_exact)
 from fp8rl_jax.fp8 import mosaic_gemm  # registers the w8a8_gemm family's self-test; Mosaic GPU itself loads lazily
-from fp8rl_jax.fp8.kernels import choose, on_cuda
+from fp8rl_jax.fp8.kernels import choose, on_cuda, run_pallas
 from fp8rl_jax.fp8.pallas_decode import MAX_DECODE_ROWS
 from fp8rl_jax.fp8.quant import _quantize_blocks, _quantize_groups
 
@@ -317,13 +317,9 @@ def scaled_matmul(xq, xs, wq, ws, *, block_size: int = BLOCK_SIZE, impl: str = "
             raise ValueError("scaled_matmul(impl='mosaic') needs ws [B, N, KB] or w_block_scales [B, NB, KB]")
         w_scales, scales = ("block", w_block_scales) if w_block_scales is not None else ("row", ws)
         direct = jnp.dtype(out_dtype) in mosaic_gemm.OUT_DTYPES  # else float32 from the kernel, cast here
-        run = functools.partial(mosaic_gemm.batched_w8a8_matmul, block_size=block_size,
-                                out_dtype=jnp.dtype(out_dtype) if direct else jnp.float32, w_scales=w_scales)
-        if interpret is not None:
-            y = run(xq, xs, wq, scales, interpret=bool(interpret))
-        else:
-            y = on_cuda(xq, xs, wq, scales, cuda=functools.partial(run, interpret=False),
-                        default=functools.partial(run, interpret=True))
+        y = run_pallas(mosaic_gemm.batched_w8a8_matmul, xq, xs, wq, scales, interpret=interpret,
+                       block_size=block_size, out_dtype=jnp.dtype(out_dtype) if direct else jnp.float32,
+                       w_scales=w_scales)
         return y if direct else y.astype(out_dtype)
     raise ValueError(f"unknown impl {impl!r}; expected one of {IMPLS[1:]}")
 
@@ -362,7 +358,8 @@ def cuda_gemm_impl(m: int, *, batch: int = 1, mosaic_ok: bool = True, decode_ok:
       GEMM streams the weight (``2 M`` FLOP per weight byte): split-K fills the 132 SMs, and the f16 ``mma.sync``
       it compiles to costs nothing there;
     * operands the Mosaic kernel cannot take (``mosaic_ok=False``: e5m2 x e4m3 gradients, per-tensor scales):
-      ``("w8a8_gemm", "blocked")``, XLA's FP8 ``dot_general`` per K block;
+      ``(None, "blocked")``, XLA's FP8 ``dot_general`` per K block (XLA's own path: no kernel family, so no
+      self-test of a kernel it does not run gates it);
     * everything else, ``M >= 128`` included: ``("w8a8_gemm", "mosaic")``, the Mosaic GPU kernel on e4m3 operands
       (``wgmma...f32.e4m3.e4m3``, DeepGEMM promotion). The band ``64 < M < 128`` takes it too, with 64-row CTAs
       and 64-column tiles (:func:`fp8rl_jax.fp8.mosaic_gemm.default_config`): the Triton decode kernel is built
@@ -373,13 +370,13 @@ def cuda_gemm_impl(m: int, *, batch: int = 1, mosaic_ok: bool = True, decode_ok:
       kernel (its grouped form, one weight per batch).
 
     Returns:
-      ``(kernel family, impl)`` for :func:`fp8rl_jax.fp8.kernels.choose` and :func:`scaled_matmul` /
+      ``(kernel family or None, impl)`` for :func:`fp8rl_jax.fp8.kernels.choose` and :func:`scaled_matmul` /
       :func:`fp8rl_jax.fp8.linear.w8a8_block_matmul`.
     """
     if decode_ok and batch == 1 and m <= DECODE_MAX_ROWS:
         return "decode_gemm", "fused"
     if not mosaic_ok:
-        return "w8a8_gemm", "blocked"
+        return None, "blocked"
     return "w8a8_gemm", "mosaic"
 
 

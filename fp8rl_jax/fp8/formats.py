@@ -237,7 +237,7 @@ def fp8_of_quotient(x, s, fp8_dtype, fp8_max: float, approx=_div_ieee):
     lo = lax.bitcast_convert_type(jnp.maximum(lo_code, 0).astype(jnp.uint8), dt).astype(f32)
     hi = lax.bitcast_convert_type((lo_code + 1).astype(jnp.uint8), dt).astype(f32)
     m = (lo + hi) * f32(0.5)  # exact: a few significant bits
-    m_mag, m_exp, m_man = _fields(m)
+    _, m_exp, m_man = _fields(m)
     ulp = lax.bitcast_convert_type(lax.shift_left(jnp.maximum(m_exp - 23, 1), i32(23)), f32)
     near = (jnp.abs(av - m) <= 4 * ulp) & (hi <= mx) & (lo_code >= 0) & (av < mx) & (s > 0) & jnp.isfinite(s)
     s_hi = lax.bitcast_convert_type(lax.bitcast_convert_type(s, i32) & i32(~0x1F), f32)

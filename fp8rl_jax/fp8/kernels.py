@@ -51,7 +51,11 @@ FAMILIES = {
 MODES = ("auto", "xla", "pallas")
 ENV_VAR = "FP8RL_KERNELS"
 
-_lock = threading.Lock()
+# One lock per family, held while that family's self-test runs. A self-test runs in a thread of its own that is
+# marked (``_selftest_thread.active``): any kernel choice made inside it (a self-test calling a path that itself
+# goes through :func:`choose`) passes without waiting, so no self-test can wait on another.
+_family_locks = {family: threading.Lock() for family in FAMILIES}
+_selftest_thread = threading.local()
 _mode_override: str | None = None
 _selftests: dict[str, Callable[[], None]] = {}
 _results: dict[str, bool] = {}
@@ -126,6 +130,9 @@ def check_close(name: str, got, ref, bound, rtol: float) -> None:
     For self-tests: ``ref`` is a float64 reference, ``bound`` the float64 sum of absolute terms of each output
     (``|x| @ |w|.T`` for a product), so ``rtol`` is a multiple of float32's unit roundoff; a wrong scale or layout
     misses it by orders of magnitude.
+
+    Raises:
+      KernelMismatch: an output outside the bound, or not finite (the message gives the worst ratio and the count).
     """
     import numpy as np
 
@@ -152,10 +159,11 @@ def cuda_device():
 
 def _run_selftest(family: str, dev) -> None:
     fn = _selftests.get(family)
-    if fn is None:
-        return
+    if fn is None:  # the kernel's module registers it at import: a family used before that is a bug, not a pass
+        raise RuntimeError(f"no self-test registered for kernel family {family!r} (its module was not imported)")
 
     def run():  # a fresh thread: no trace context of the caller (the test runs eagerly even mid-trace)
+        _selftest_thread.active = True
         with jax.default_device(dev):
             fn()
 
@@ -167,11 +175,18 @@ def selftest_passed(family: str) -> bool:
     """Whether ``family``'s kernel passed its self-test in this process (run once, on first use).
 
     True without a CUDA device (nothing to test on: the kernel is only compiled, e.g. for a deviceless sm_90a
-    compile). On a failure the warning names the kernel, the device and the error, once per process.
+    compile), and inside a self-test (its own calls are the test). On a failure (an exception, a
+    :class:`KernelMismatch`, no registered self-test) the warning names the kernel, the device and the error, once per
+    process.
+
+    Raises:
+      ValueError: an unknown family.
     """
     if family not in FAMILIES:
         raise ValueError(f"unknown kernel family {family!r}; expected one of {sorted(FAMILIES)}")
-    with _lock:
+    if getattr(_selftest_thread, "active", False):
+        return True
+    with _family_locks[family]:
         if family in _results:
             return _results[family]
         dev = cuda_device()
@@ -206,7 +221,7 @@ def use_kernel(family: str) -> bool:
     return selftest_passed(family)
 
 
-def choose(family: str, *args, kernel: Callable, xla: Callable):
+def choose(family: str | None, *args, kernel: Callable, xla: Callable):
     """``kernel(*args)`` where the program is lowered for CUDA (and :func:`use_kernel` allows), ``xla(*args)``
     everywhere else: the one place each op picks its implementation.
 
@@ -214,7 +229,8 @@ def choose(family: str, *args, kernel: Callable, xla: Callable):
     disallowed only ``xla`` is traced.
 
     Args:
-      family: a :data:`FAMILIES` name.
+      family: a :data:`FAMILIES` name, or None when the CUDA path is XLA's own (e.g. its FP8 ``dot_general``): then
+        no self-test or kernel mode applies and ``kernel`` is simply the CUDA branch.
       args: arrays (pytrees) passed to the chosen callable.
       kernel: the CUDA kernel path (compiled only when lowering for ``cuda``).
       xla: the portable path.
@@ -224,7 +240,7 @@ def choose(family: str, *args, kernel: Callable, xla: Callable):
 
     Source: :func:`jax.lax.platform_dependent` (only the branch of the lowering platform is lowered).
     """
-    if not use_kernel(family):
+    if family is not None and not use_kernel(family):
         return xla(*args)
     return jax.lax.platform_dependent(*args, cuda=kernel, default=xla)
 

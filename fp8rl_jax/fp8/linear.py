@@ -103,14 +103,34 @@ def _with_neighbours(x, weight, weight_scale_inv, extra, block_size, out_dtype, 
         y = fused_w8a8_decode_matmul(x.reshape(rows, k), weight, weight_scale_inv, block_size=block_size,
                                      out_dtype=out_dtype, norm=nrm, gated=gated, residual=res)
         return y.reshape(*lead, n_out)
-    if norm is not None:  # as fp8rl_jax.models.layers.RMSNorm.apply
-        rinv = jax.lax.rsqrt(norm[0] / k + norm[2])
-        x = (norm[1].astype(jnp.float32) * (x.astype(jnp.float32) * rinv)).astype(x.dtype)
+    if norm is not None:
+        x = rms_norm_apply(x, *norm)
     y = _matmul(x, weight, weight_scale_inv, block_size, out_dtype, impl, interpret)
     if gated:
-        gate, up = jnp.split(y, 2, axis=-1)
-        y = jax.nn.silu(gate) * up
+        y = silu_gate(y)
     return y if residual is None else residual + y
+
+
+def rms_norm_apply(x: jax.Array, sum_sq: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm's elementwise half: ``(weight * (x * rsqrt(sum_sq / K + eps))).astype(x.dtype)`` in float32.
+
+    Args:
+      x: ``[..., K]`` activations (any float dtype; the result has it).
+      sum_sq: float32 ``[..., 1]``, ``sum(x**2)`` over the last axis (the reduction half).
+      weight: ``[K]`` norm weight. eps: the variance epsilon.
+
+    Source: HF ``LlamaRMSNorm`` (``sum_sq / K`` is ``jnp.mean``'s division). The one formula for the model's
+    :class:`fp8rl_jax.models.layers.RMSNorm` and a product's unfused ``norm=`` prologue.
+    """
+    rinv = jax.lax.rsqrt(sum_sq / x.shape[-1] + eps)
+    return (weight.astype(jnp.float32) * (x.astype(jnp.float32) * rinv)).astype(x.dtype)
+
+
+def silu_gate(y: jax.Array) -> jax.Array:
+    """SwiGLU's gating of a fused ``[gate; up]`` product: ``[..., 2I] -> [..., I]``, ``silu(gate) * up`` in
+    ``y``'s dtype (HF ``LlamaMLP``: ``act_fn(gate_proj(x)) * up_proj(x)``)."""
+    gate, up = jnp.split(y, 2, axis=-1)
+    return jax.nn.silu(gate) * up
 
 
 def _matmul(x, weight, weight_scale_inv, block_size, out_dtype, impl, interpret=None):

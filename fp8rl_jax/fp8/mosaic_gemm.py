@@ -108,6 +108,7 @@ class MosaicGemmConfig:
 
     @property
     def cta_m(self) -> int:
+        """Rows of A per CTA: :data:`WG_ROWS` (64, one wgmma's M) per compute warpgroup."""
         return WG_ROWS * self.compute_wgs
 
     def smem_bytes(self, out_dtype, block_size: int = BLOCK_SIZE, w_scales: str = "block") -> int:

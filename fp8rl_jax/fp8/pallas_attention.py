@@ -109,10 +109,17 @@ def decode_kernel_choice(impl: str | None, num_queries: int, cache_shape) -> str
 
 
 def fp8_kv_attention_dispatch(mode: str, *args, kernel, xla):
-    """Run a decode attention over an e4m3 cache as :func:`decode_kernel_choice`'s ``mode`` says: ``"auto"``
-    through :func:`fp8rl_jax.fp8.kernels.choose` (``kernel(*args, interpret=False)`` where lowered for CUDA,
-    ``xla(*args)`` elsewhere), ``"pallas"`` the kernel (interpret mode where not lowered for CUDA), ``"interpret"``
-    the kernel in interpret mode."""
+    """Run an attention over an e4m3 cache (decode or prefill) as :func:`decode_kernel_choice`'s ``mode`` says.
+
+    Args:
+      mode: ``"auto"``: through :func:`fp8rl_jax.fp8.kernels.choose`, family ``fp8_kv_attention``
+        (``kernel(*args, interpret=False)`` where lowered for CUDA, ``xla(*args)`` elsewhere); ``"pallas"``: the
+        kernel (interpret mode where not lowered for CUDA); ``"interpret"``: the kernel in interpret mode.
+      args: the attention's arrays, passed to either callable unchanged.
+      kernel: ``kernel(*args, interpret=...)``, :func:`fp8_kv_decode_attention` or :func:`fp8_kv_prefill_attention`
+        with its static settings bound. xla: the materialized path, same result shapes and dtypes.
+
+    Returns: what the chosen callable returns. Raises what they raise (shape errors are named there)."""
     if mode == "auto":
         return choose("fp8_kv_attention", *args, kernel=functools.partial(kernel, interpret=False), xla=xla)
     return kernel(*args, interpret=True if mode == "interpret" else None)
@@ -416,9 +423,9 @@ def fp8_kv_prefill_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Arra
     for name, v in (("head_dim", d), ("block_k", block_k), ("block_rows", block_rows)):
         if v < MIN_TILE or v & (v - 1):
             raise ValueError(f"fp8_kv_prefill_attention: {name} {v} must be a power of two >= {MIN_TILE}")
-    bk = min(block_k, 1 << (t.bit_length() - 1))
     if t < MIN_TILE:
         raise ValueError(f"fp8_kv_prefill_attention: the cache has {t} slots, fewer than one {MIN_TILE}-slot tile")
+    bk = min(block_k, 1 << (t.bit_length() - 1))
     sm_scale = d ** -0.5 if sm_scale is None else float(sm_scale)
     ks = jnp.asarray(k_scale, jnp.float32)
     if q_scale is not None:

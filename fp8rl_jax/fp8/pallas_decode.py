@@ -141,8 +141,7 @@ def _fused(x, wq, ws, sum_sq=None, norm_weight=None, residual=None, *, block_siz
         wq = jnp.pad(wq, ((0, np_ - n), (0, kp - k)))
     elif kp != k:
         wq = jnp.pad(wq, ((0, 0), (0, kp - k)))
-    if not gated and ws.shape[0] != pl.cdiv(np_, block_size):
-        ws = jnp.pad(ws, ((0, pl.cdiv(np_, block_size) - ws.shape[0]), (0, 0)))
+    # ws needs no padding: bn divides block_size, so cdiv(np_, block_size) == cdiv(n, block_size) == ws.shape[0]
     kb_split = kb // splits
     ks = kb_split * block_size
     ratio = block_size // bn

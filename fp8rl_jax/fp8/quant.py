@@ -48,13 +48,13 @@ def _sum_in_dtype(x):
     return jnp.sum(x)
 
 
-def raise_if_nonfinite(name: str, x, scale, *, scale_propagates_nan: bool = False) -> None:
+def raise_if_nonfinite(name: str, x, scale) -> None:
     """Raise ``ValueError`` if a concrete input ``x`` holds NaN/inf, judged cheaply from its ``scale``.
 
     A block's scale is infinite when the block holds +-inf (max/min see it). NaN is not reliably propagated by
-    XLA CPU's vectorized max/min reductions, so unless ``scale_propagates_nan`` (the GPU Pallas kernel maps NaN
-    to inf), the sum of ``x`` (one fast reduction, NaN-propagating) is checked too, and only if that sum is
-    non-finite (NaN, or an overflow of huge finite values) is the exact ``isfinite`` scan run to decide.
+    XLA CPU's vectorized max/min reductions, so the sum of ``x`` (one fast reduction, NaN-propagating) is checked
+    too, and only if that sum is non-finite (NaN, or an overflow of huge finite values) is the exact ``isfinite``
+    scan run to decide.
     No-op for traced values (inside ``jit``/``grad``).
     """
     if not _is_concrete(scale) or not _is_concrete(x):
@@ -62,8 +62,6 @@ def raise_if_nonfinite(name: str, x, scale, *, scale_propagates_nan: bool = Fals
     msg = f"{name}: input contains NaN or inf values; refusing to quantize"
     if not bool(jnp.all(jnp.isfinite(scale))):
         raise ValueError(msg + " (a block's scale came out non-finite)")
-    if scale_propagates_nan:
-        return
     if not bool(jnp.isfinite(_sum_in_dtype(x))) and not bool(jnp.all(jnp.isfinite(x))):
         raise ValueError(msg)
 

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from fp8rl_jax.fp8 import BLOCK_SIZE, E4M3, w8a8_block_matmul
+from fp8rl_jax.fp8.linear import rms_norm_apply, silu_gate
 from fp8rl_jax.models.config import ModelConfig
 
 LINEAR_PRECISIONS = ("dense", "fp8")
@@ -63,8 +64,7 @@ class Linear(nnx.Module):
         else:
             y = self._dense(x if norm is None else RMSNorm.apply(x, *norm))
         if gated:
-            gate, up = jnp.split(y, 2, axis=-1)
-            y = jax.nn.silu(gate) * up
+            y = silu_gate(y)
         return y if residual is None else residual + y
 
     def _dense(self, x: jax.Array) -> jax.Array:
@@ -99,8 +99,7 @@ class RMSNorm(nnx.Module):
     def apply(x: jax.Array, sum_sq: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
         """The elementwise half: ``(weight * (x * rsqrt(sum_sq / K + eps))).astype(x.dtype)`` in float32
         (``sum_sq / K`` is ``jnp.mean``'s division, which XLA turns into a product with ``1/K``)."""
-        rinv = jax.lax.rsqrt(sum_sq / x.shape[-1] + eps)
-        return (weight.astype(jnp.float32) * (x.astype(jnp.float32) * rinv)).astype(x.dtype)
+        return rms_norm_apply(x, sum_sq, weight, eps)
 
 
 class MLP(nnx.Module):

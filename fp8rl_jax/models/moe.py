@@ -44,10 +44,11 @@ the routed rows under ``shard_map``) is not built. With FP8 experts the W8A8 blo
 (vLLM ``QuantFP8`` native rounding), weights are the dequantized e4m3 blocks, products accumulate in float32. Where
 the program is lowered for CUDA the experts read the e4m3 stacks as they are (gate and up as two products: no
 per-call concatenation of the stacks), in the kernel that :func:`grouped_expert_kernel` picks by the routed row
-count (the one place, inside ``choose(..., family "grouped_experts")``): prefill-sized counts take the Mosaic GPU FP8
+count (the one place; each kernel behind ``choose`` with its own family): prefill-sized counts take the Mosaic GPU FP8
 wgmma GEMM on the tile layout (:func:`fp8rl_jax.fp8.mosaic_gemm.mosaic_grouped_w8a8_matmul`, tiles of 64 or 128
-rows, activations quantized once per tile row in 1x128 groups), decode-sized ones the Triton grouped kernel
-(:func:`fp8rl_jax.fp8.pallas_grouped.grouped_w8a8_matmul`, 16-row tiles, empty ones skipped). Each token's k expert
+rows, activations quantized once per tile row in 1x128 groups; family ``w8a8_gemm``), decode-sized ones the Triton
+grouped kernel (:func:`fp8rl_jax.fp8.pallas_grouped.grouped_w8a8_matmul`, 16-row tiles, empty ones skipped; family
+``grouped_experts``). Each token's k expert
 outputs are summed by :func:`fp8rl_jax.models.grouped.combine_top_k` (a gather and one reduction), not by a
 scatter-add, so the result (and the logprobs) do not change from run to run on a GPU, where a scatter-add is atomic. The router always stays dense in ``param_dtype`` (bf16 in rollout), as
 verl's FP8 rollout keeps ``mlp.gate`` in its ignored layers. When a training-precision ``dot_general`` is set on
@@ -69,14 +70,17 @@ forward bit for bit.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from fp8rl_jax.fp8 import dequantize_weight_blockwise, fake_quantize_activation
 from fp8rl_jax.fp8.formats import ACTIVATION_RECIPE
-from fp8rl_jax.fp8.kernels import choose, on_cuda, use_kernel
+from fp8rl_jax.fp8.kernels import choose, run_pallas
 from fp8rl_jax.fp8.mosaic_gemm import WG_ROWS, mosaic_grouped_w8a8_matmul
+from fp8rl_jax.fp8.pallas_grouped import grouped_w8a8_matmul  # registers the grouped_experts family's self-test
 from fp8rl_jax.fp8.quant import _quantize_groups
 from fp8rl_jax.models.config import ModelConfig
 from fp8rl_jax.models.experts import StackedExperts
@@ -226,7 +230,8 @@ class SparseMoeBlock(nnx.Module):
                                       rngs=rngs)
 
     #: FP8 experts: ``"auto"`` (where the program is lowered for CUDA the kernel of :func:`grouped_expert_kernel`,
-    #: the XLA path below elsewhere: :func:`fp8rl_jax.fp8.kernels.choose`, family ``grouped_experts``), ``"pallas"``
+    #: the XLA path below elsewhere: :func:`fp8rl_jax.fp8.kernels.choose`, family ``w8a8_gemm`` or
+    #: ``grouped_experts`` as that kernel is), ``"pallas"``
     #: (always the Triton grouped kernel), ``"mosaic"`` (always the Mosaic GPU kernel on 64-row tiles or
     #: :func:`grouped_expert_kernel`'s; both: interpret mode where not lowered for CUDA) or ``"ragged_dot"`` (never
     #: a kernel).
@@ -262,14 +267,8 @@ class SparseMoeBlock(nnx.Module):
                                     fp8_max=float(jnp.finfo(qg.dtype).max), recipe=ACTIVATION_RECIPE)
 
         def gemm(aq, a_s, wq, ws, out_dtype):
-            def run(*v, interp):
-                return mosaic_grouped_w8a8_matmul(*v, tile_rows=tile_rows, block_size=bs, out_dtype=out_dtype,
-                                                  interpret=interp)
-
-            ops = (aq, a_s, wq, ws, lay.tile_group)
-            if interpret is not None:
-                return run(*ops, interp=bool(interpret))
-            return on_cuda(*ops, cuda=lambda *v: run(*v, interp=False), default=lambda *v: run(*v, interp=True))
+            return run_pallas(mosaic_grouped_w8a8_matmul, aq, a_s, wq, ws, lay.tile_group, interpret=interpret,
+                              tile_rows=tile_rows, block_size=bs, out_dtype=out_dtype)
 
         xq, xs = quant(x)
         g = gemm(xq, xs, qg, sg, jnp.float32)
@@ -288,8 +287,6 @@ class SparseMoeBlock(nnx.Module):
         would have to be concatenated per call (a copy of both stacks, ~0.4 GB per layer at Qwen3-30B-A3B), which
         costs far more than reading the routed rows twice.
         """
-        from fp8rl_jax.fp8.pallas_grouped import grouped_w8a8_matmul
-
         (qg, sg), (qu, su), (qd, sd) = self._fp8_stacks()
         bs = self.experts.gate_proj.block_size
         g = grouped_w8a8_matmul(xs, group_sizes, qg, sg, block_size=bs, out_dtype=jnp.float32)
@@ -317,10 +314,10 @@ class SparseMoeBlock(nnx.Module):
         m = self._tile_rows(order.shape[0])
         mk = -(-m // WG_ROWS) * WG_ROWS
         args = (xt, weights, order, group_sizes)
-        if mk == m or not use_kernel("w8a8_gemm"):
+        if mk == m:
             return self._tiled_experts(*args, tile_rows=m)
-        return on_cuda(*args, cuda=lambda *a: self._tiled_experts(*a, tile_rows=mk),
-                       default=lambda *a: self._tiled_experts(*a, tile_rows=m))
+        return choose("w8a8_gemm", *args, kernel=functools.partial(self._tiled_experts, tile_rows=mk),
+                      xla=functools.partial(self._tiled_experts, tile_rows=m))
 
     def _grouped_impl(self, rows: int) -> str:
         impl = self.grouped_impl
@@ -441,18 +438,13 @@ class SparseMoeBlock(nnx.Module):
         elif impl == "mosaic":
             m = grouped_expert_kernel(order.shape[0], self.num_experts) or MOSAIC_TILE_ROWS[-1]
             out = self._mosaic_experts(*args, tile_rows=m)
-        else:
-            out = choose("grouped_experts", *args, kernel=self._kernel_experts, xla=self._xla_experts)
+        elif (m := grouped_expert_kernel(order.shape[0], self.num_experts)) is not None:
+            # prefill-sized row counts: the Mosaic GPU kernel on m-row tiles (its family: w8a8_gemm)
+            out = choose("w8a8_gemm", *args, kernel=functools.partial(self._mosaic_experts, tile_rows=m,
+                                                                         interpret=False), xla=self._xla_experts)
+        else:  # decode-sized: the Triton grouped kernel
+            out = choose("grouped_experts", *args, kernel=self._triton_experts, xla=self._xla_experts)
         return out.reshape(shape), router_ids
-
-    def _kernel_experts(self, xt, weights, order, group_sizes) -> jax.Array:
-        """FP8 experts where the program is lowered for CUDA (``grouped_experts`` kernel branch): the Mosaic GPU
-        kernel on :func:`grouped_expert_kernel`'s tiles for prefill-sized row counts (when the Mosaic kernel family
-        ``w8a8_gemm`` passed its self-test), else the Triton grouped kernel."""
-        m = grouped_expert_kernel(order.shape[0], self.num_experts)
-        if m is not None and use_kernel("w8a8_gemm"):
-            return self._mosaic_experts(xt, weights, order, group_sizes, tile_rows=m, interpret=False)
-        return self._triton_experts(xt, weights, order, group_sizes)
 
     def _triton_experts(self, xt, weights, order, group_sizes) -> jax.Array:
         """FP8 experts with the Triton grouped W8A8 kernel (:meth:`_fp8_grouped_experts`), combined per token."""

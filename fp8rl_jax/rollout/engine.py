@@ -125,16 +125,19 @@ class JaxRolloutEngine:
         fused ``qkv_proj`` / ``gate_up_proj`` where every part's rows are a multiple of 128
         (:attr:`fused_projections` lists them; the others stay separate). Same greedy tokens and logprobs as the
         unfused engine (bit for bit on CPU, tested). ``weights`` may then be fused or under the HF names.
-      kv_attention: decode attention over an e4m3 cache (:data:`fp8rl_jax.fp8.pallas_attention.KV_ATTENTION_IMPLS`):
-        ``"auto"`` runs :func:`fp8rl_jax.fp8.pallas_attention.fp8_kv_decode_attention` (the cache read and
-        dequantized inside a Pallas kernel, only up to each row's last slot) on one CUDA GPU and today's path
-        elsewhere (CPU results unchanged; on a mesh too, since the kernel is not SPMD-partitioned);
-        ``"materialize"`` always dequantizes the cache and calls ``jax.nn.dot_product_attention``; ``"pallas"``
-        forces the kernel (interpret mode off a GPU), ``"interpret"`` the kernel in interpret mode (tests). Prefill
-        and a bf16 cache always take the materialized path.
-      expert_impl: Qwen3-MoE experts (:class:`fp8rl_jax.models.moe.SparseMoeBlock`): ``"auto"`` (FP8: the grouped
-        Pallas kernel where lowered for CUDA; otherwise tiles or ``ragged_dot``, whichever moves fewer elements),
-        ``"pallas"`` (FP8: always the kernel), ``"tiled"`` or ``"ragged_dot"`` (never the kernel, that XLA path).
+      kv_attention: attention over an e4m3 cache (:data:`fp8rl_jax.fp8.pallas_attention.KV_ATTENTION_IMPLS`):
+        ``"auto"`` runs :func:`fp8rl_jax.fp8.pallas_attention.fp8_kv_decode_attention` at decode and
+        :func:`~fp8rl_jax.fp8.pallas_attention.fp8_kv_prefill_attention` at prefill (the cache read and dequantized
+        inside a Pallas kernel, only up to each row's last slot) where lowered for one CUDA GPU, and the
+        materialized path elsewhere (CPU results unchanged; on a mesh too, since the kernels are not
+        SPMD-partitioned); ``"materialize"`` always dequantizes the cache and calls ``jax.nn.dot_product_attention``;
+        ``"pallas"`` forces the kernels (interpret mode off a GPU), ``"interpret"`` the kernels in interpret mode
+        (tests). A bf16 cache always takes the materialized path.
+      expert_impl: Qwen3-MoE experts (:class:`fp8rl_jax.models.moe.SparseMoeBlock`, its ``EXPERT_IMPLS``):
+        ``"auto"`` (FP8: the grouped kernels where lowered for CUDA, the Mosaic GPU wgmma one for prefill-sized
+        tiles and the Pallas-Triton one for decode; otherwise tiles or ``ragged_dot``, whichever moves fewer
+        elements), ``"pallas"`` (FP8: always the Pallas-Triton kernel), ``"mosaic"`` (FP8: always the Mosaic GPU
+        kernel), ``"tiled"`` or ``"ragged_dot"`` (never a kernel, that XLA path).
 
     Raises:
       ValueError: unknown precision or kv_cache_dtype, weights in the wrong format, ``fp8_attention`` without an
