@@ -447,6 +447,8 @@ def _short_gemm(form: str) -> str:
 
 def write_outputs(records: list[dict], out_dir: str, jax_version: str, wall_s: float, jobs: int,
                   command: str) -> tuple[str, str]:
+    """Write ``h100_compile.json`` (the records of :func:`merge` and the run's settings) and ``h100_compile.md``
+    (one table row per program, then each failure's error lines) under ``out_dir``; returns their paths."""
     from fp8rl_jax.gpu_target import TARGET_DESCRIPTION
 
     os.makedirs(out_dir, exist_ok=True)
