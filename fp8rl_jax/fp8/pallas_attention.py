@@ -130,6 +130,18 @@ def choose_splits(batch: int, num_kv_heads: int, num_blocks: int, target_program
     return int(max(1, min(num_blocks, -(-target_programs // max(1, batch * num_kv_heads)))))
 
 
+def _kernel_query(q, q_scale, k_scale, sm_scale):
+    """``(q_in, c)``: the queries the kernels take (e4m3 with ``q_scale``, else as given) and the float32 factor
+    ``c`` of ``S = (q_in . K^T) * c`` (``q_scale * k_scale * sm_scale``, or ``k_scale * sm_scale``; ``sm_scale``
+    defaults to ``D ** -0.5``)."""
+    sm_scale = q.shape[-1] ** -0.5 if sm_scale is None else float(sm_scale)
+    ks = jnp.asarray(k_scale, jnp.float32)
+    if q_scale is None:
+        return q, ks * jnp.float32(sm_scale)
+    qs = jnp.asarray(q_scale, jnp.float32)
+    return quantize_kv(q, qs), (qs * ks) * jnp.float32(sm_scale)
+
+
 def _online_softmax(q, k_ref, v_ref, mask_ref, c, *, start0, n, t, bk, limit, compute_dtype, precision):
     """The flash loop both kernels run: ``n`` tiles of ``bk`` slots from ``start0`` of one KV head's ``[T, D]`` e4m3
     K/V, online softmax per query row. Row ``r`` sees slot ``pos`` iff ``mask_ref[pos]`` and ``pos <= limit[r]``;
@@ -303,13 +315,7 @@ def fp8_kv_decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array
     splits = -(-num_blocks // blocks_per_split)
     g = hq // hkv
     gp = max(MIN_TILE, int(pl.next_power_of_2(g)))
-    sm_scale = d ** -0.5 if sm_scale is None else float(sm_scale)
-    ks = jnp.asarray(k_scale, jnp.float32)
-    if q_scale is not None:
-        qs = jnp.asarray(q_scale, jnp.float32)
-        qin, c = quantize_kv(q, qs), (qs * ks) * jnp.float32(sm_scale)
-    else:
-        qin, c = q, ks * jnp.float32(sm_scale)
+    qin, c = _kernel_query(q, q_scale, k_scale, sm_scale)
     return run_pallas(_decode, qin, k_cache, v_cache, c, jnp.asarray(v_scale, jnp.float32), kv_mask.astype(jnp.int8),
                    jnp.asarray(q_slot, jnp.int32), bk=bk, splits=splits, blocks_per_split=blocks_per_split, gp=gp,
                    out_dtype=jnp.dtype(q.dtype), interpret=interpret, num_warps=num_warps,
@@ -426,13 +432,7 @@ def fp8_kv_prefill_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Arra
     if t < MIN_TILE:
         raise ValueError(f"fp8_kv_prefill_attention: the cache has {t} slots, fewer than one {MIN_TILE}-slot tile")
     bk = min(block_k, 1 << (t.bit_length() - 1))
-    sm_scale = d ** -0.5 if sm_scale is None else float(sm_scale)
-    ks = jnp.asarray(k_scale, jnp.float32)
-    if q_scale is not None:
-        qs = jnp.asarray(q_scale, jnp.float32)
-        qin, c = quantize_kv(q, qs), (qs * ks) * jnp.float32(sm_scale)
-    else:
-        qin, c = q, ks * jnp.float32(sm_scale)
+    qin, c = _kernel_query(q, q_scale, k_scale, sm_scale)
     cv = jnp.stack([c, jnp.asarray(v_scale, jnp.float32)])
     return run_pallas(_prefill, qin, k_cache, v_cache, cv, kv_mask.astype(jnp.int8), jnp.asarray(q_slots, jnp.int32),
                       bk=bk, rows=block_rows, out_dtype=jnp.dtype(q.dtype), interpret=interpret,
