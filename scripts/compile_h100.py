@@ -576,7 +576,8 @@ def main(argv=None) -> int:
         shutil.rmtree(tmp, ignore_errors=True)
     wall = time.perf_counter() - t0
     records = merge(names, results)
-    command = "python scripts/compile_h100.py" + (f" --only {' '.join(args.only)}" if args.only else "")
+    command = ("python scripts/compile_h100.py" + (f" --only {' '.join(args.only)}" if args.only else "")
+               + (f" --jobs={args.jobs}" if args.jobs != 2 else "") + (" --no_layer_count" if args.no_layer_count else ""))
     jpath, mpath = write_outputs(records, args.output_dir, jax.__version__, wall, args.jobs, command)
     print(f"[compile_h100] {sum(r['compiled'] for r in records)}/{len(records)} programs compiled in {wall:.0f} s; "
           f"wrote {os.path.relpath(jpath)} and {os.path.relpath(mpath)}")

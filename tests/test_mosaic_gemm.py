@@ -21,9 +21,9 @@ the reason for the promotion every 128), so a GPU run needs ``2**-13 * sum_i |x_
 :data:`HOPPER_INBLOCK_REL`.
 
 Interpret-mode cost: the interpreter simulates each CTA's warpgroups as Python threads with a callback per memory
-operation: ~1 s per CTA of 2-3 K blocks on this 2-core CPU (M = 1024 at N = 60, K = 200: 8 CTAs, ~10 s). M = 4096
-would be 32 CTAs at the smallest N (~40 s alone, over this file's budget), so the sweep stops at M = 1024 (8 M
-tiles); numerics per CTA do not depend on M, and the M = 4096 shapes are covered by (b).
+operation: ~1 s per CTA of 2-3 K blocks on this 2-core CPU. So M = 4096 runs at the smallest N and K that keep
+the shape ragged (N = 60, K = 200: one N tile, two K blocks, 32 CTAs of 128 rows); the 4096^3 shapes are covered
+by (b).
 
 (b) Deviceless compile for sm_90a in .venv-cuda (a subprocess: that venv has jax[cuda13]): the PTX must hold
 ``wgmma.mma_async.sync.aligned.m64n{128,64}k32.f32.e4m3.e4m3`` (FP8 tensor cores, float32 accumulator) and no
@@ -108,11 +108,11 @@ def _ratio(y, y_ref, tol):
 
 
 @pytest.mark.parametrize("m,n,k", [(1, 100, 300), (17, 100, 300), (64, 100, 300), (65, 100, 300), (300, 100, 300),
-                                   (1024, 60, 200)])
+                                   (4096, 60, 200)])
 def test_interpret_matches_float64_reference(m, n, k):
-    """Ragged M (1 / 17 / 64 / 65 take the 64x64 tiles of M < 128, 300 / 1024 the 128x128 tiles of large GEMMs), N
-    and K not multiples of the tiles (zero padding; the last K group is 44 or 72 wide). M = 1024 (8 M tiles) stands
-    in for 4096 (see the module docstring: interpret-mode cost)."""
+    """Ragged M (1 / 17 / 64 / 65 take the 64x64 tiles of M < 128, 300 / 4096 the 128x128 tiles of large GEMMs), N
+    and K not multiples of the tiles (zero padding; the last K group is 44 or 72 wide). M = 4096 at a small N and K
+    (see the module docstring: interpret-mode cost)."""
     xq, xs, wq, ws = _operands(m, n, k, seed=m)
     t = time.perf_counter()
     # M >= 128 at these small N would default to the 64 x 64 tiles (fewer 128 x 128 CTAs than SMs): ask for the
