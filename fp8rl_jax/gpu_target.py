@@ -18,8 +18,9 @@ Pieces:
   is a CPU and no abstract GPU is set; jax 0.10.2 falls back to compute capability 9.0 by itself.
 * :func:`h100_mesh`: a concrete-looking ``Mesh`` of 1, 8, 16 ... abstract H100s (CUDA plugin needed).
 * :func:`compile_for_h100`: lower + compile one program for sm_90a, timed, with XLA's memory analysis and, given a
-  dump directory, the PTX analysis (:func:`gemm_instruction_forms`, :func:`ptxas_info` per Pallas kernel) and
-  the kernels launched per iteration of the program's main ``while`` loop (:func:`loop_body_kernels`).
+  dump directory, the analysis of :mod:`fp8rl_jax.gpu_dump` (GEMM instruction forms of the PTX, ``ptxas`` per
+  Pallas kernel, the kernels launched per iteration of the program's main ``while`` loop and the bytes its
+  products move).
 
 What a compile cannot show (speed, autotuned GEMM choices, cuDNN run-time plans, numerics as executed): see
 docs/GPU_VERIFICATION.md.
@@ -33,9 +34,6 @@ import functools
 import glob
 import math
 import os
-import re
-import shutil
-import subprocess
 import time
 from collections import Counter
 from typing import Any, Callable, Iterator, Sequence
@@ -46,6 +44,10 @@ os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
+
+from fp8rl_jax.gpu_dump import (custom_call_targets, find_ptxas, gemm_instruction_counts,  # noqa: E402
+                                loop_body_gemm_bytes, loop_body_kernels, mosaic_kernel_hashes, pallas_base_name,
+                                pallas_kernel_names, parse_ptxas_info, ptx_entries, ptxas_info, thunk_annotations)
 
 #: ``stream_executor::GpuTargetConfigProto`` text of one NVIDIA H100 80GB HBM3 (SXM): 132 SMs, 1.98 GHz boost,
 #: 3.35 TB/s, 50 MiB L2, 227 KiB opt-in shared memory per block, compute capability 9.0 (XLA compiles sm_90a),
@@ -217,7 +219,7 @@ class H100Compile:
       temp_bytes: XLA:GPU's temporary buffer bytes per device (``memory_analysis().temp_size_in_bytes``).
       memory: bytes per device: ``arguments``, ``outputs``, ``aliased``, ``temp``, ``generated_code``.
       dump_dir: where XLA dumped the program (None without one); the fields below need it.
-      gemm_instructions: sorted distinct GEMM instruction forms in the PTX (:func:`gemm_instruction_forms`).
+      gemm_instructions: sorted distinct GEMM instruction forms in the PTX (:func:`~fp8rl_jax.gpu_dump.gemm_instruction_forms`).
       gemm_instruction_counts: ``{form: occurrences}`` over all PTX.
       pallas_kernels: the program's Pallas kernels: Pallas-Triton ones (the names of its ``__gpu$xla.gpu.triton``
         custom calls) and Mosaic GPU ones (their entry names, from the plugin's ptxas reports).
@@ -227,11 +229,11 @@ class H100Compile:
       custom_calls: ``{custom_call_target: count}`` in the optimized HLO: cuDNN (``__cudnn$fmha...``), cuBLAS
         (``__cublas$...``), Pallas-Triton (``__gpu$xla.gpu.triton``), Mosaic GPU (``mosaic_gpu_v2``), ...
       loop_body_kernels: device kernels launched per iteration of the largest ``while`` body (for a generate
-        program: per decode step), from XLA's thunk sequence (:func:`loop_body_kernels`), or None (no loop).
+        program: per decode step), from XLA's thunk sequence (:func:`~fp8rl_jax.gpu_dump.loop_body_kernels`), or None (no loop).
       loop_body_breakdown: ``{kind: count}`` of those launches (XLA fusions, Pallas kernels, XLA Triton GEMM
         fusions, cuBLAS, cuDNN, copies, ...).
       loop_body_gemm_bytes: bytes the matrix-product launches of one iteration of that loop move (results and
-        distinct operands, from the optimized HLO's shapes: :func:`loop_body_gemm_bytes`), or None.
+        distinct operands, from the optimized HLO's shapes: :func:`~fp8rl_jax.gpu_dump.loop_body_gemm_bytes`), or None.
       notes: anything the analysis could not do, in words.
 
     Registers and spills are read from ptxas's report; kernel kinds and counts from XLA's thunk sequence, which
@@ -268,7 +270,7 @@ def compile_for_h100(fn: Callable, *args, mesh=None, dump_dir: str | None = None
       mesh: the H100 mesh the arguments live on (default :func:`h100_mesh` of one device).
       dump_dir: XLA dump directory for this program (``xla_dump_to``; LLVM IR not dumped). Given, the result
         carries the PTX and thunk analyses. Reuse across programs mixes their files: use one directory each.
-      ptxas: path of a ``ptxas`` for the spill report (default :func:`find_ptxas`).
+      ptxas: path of a ``ptxas`` for the spill report (default :func:`~fp8rl_jax.gpu_dump.find_ptxas`).
       **static_kwargs: keyword arguments of ``fn`` (static ones for a jitted ``fn``).
 
     Returns:
@@ -324,376 +326,6 @@ def _environ(values: dict):
                 os.environ[k] = v
 
 
-def compile_error_summary(e: BaseException, max_lines: int = 10) -> str:
-    """The lines of a trace/lower/compile exception that say what went wrong, as text: the whole message when it is
-    short; else its first line, the final exception line(s) of a Python traceback XLA embeds in its message (a
-    custom partitioner's, a callback's) and the first frames of JAX's "Suspected Python Code Location" (where in the
-    project's code the failing op was staged)."""
-    lines = [x.rstrip() for x in f"{type(e).__name__}: {e}".strip().splitlines() if x.strip()]
-    if len(lines) <= max_lines:
-        return "\n".join(lines)
-    keep = [lines[0]]
-    keep += [x.strip() for x in lines[1:] if re.match(r"^\s*[A-Za-z_][\w.]*(Error|Exception)\b.*", x)][-2:]
-    if "Suspected Python Code Location:" in lines:
-        i = lines.index("Suspected Python Code Location:")
-        keep += ["Suspected Python Code Location:"] + [x.strip() for x in lines[i + 1:i + 6]]
-    return "\n".join(keep[:max_lines + 6])
-
-
-# --------------------------------------------------------------------------------------------------------------------
-# Reading XLA's dump: PTX GEMM instructions, ptxas register/spill report, kernels per loop iteration.
-
-# A GEMM instruction of PTX: Hopper's warpgroup MMA (``wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3``) or
-# the warp-level MMA (``mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32``), sparse forms included. The
-# wgmma fence/commit/wait instructions are not GEMMs and do not match.
-_GEMM_RE = re.compile(r"(?<![\w.])(wgmma\.mma_async(?:\.sp)?(?:\.[\w:]+)+|mma(?:\.sp(?:::ordered_metadata)?)?"
-                      r"\.sync(?:\.[\w:]+)+)")
-_ENTRY_RE = re.compile(r"^\s*\.(?:visible\s+)?\.entry\s+([\w$.]+)\s*\(", re.M)
-
-
-def _strip_ptx_comments(ptx: str) -> str:
-    ptx = re.sub(r"/\*.*?\*/", "", ptx, flags=re.S)
-    return re.sub(r"//[^\n]*", "", ptx)
-
-
-def gemm_instruction_counts(ptx_texts: str | Sequence[str]) -> dict[str, int]:
-    """``{instruction form: occurrences}`` of the GEMM instructions in PTX text(s) (comments ignored).
-
-    A form is the full opcode with its modifiers and operand types, e.g.
-    ``wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3`` (FP8 tensor cores, Hopper) or
-    ``mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32`` (warp MMA, f16 operands).
-    """
-    texts = [ptx_texts] if isinstance(ptx_texts, str) else list(ptx_texts)
-    c: Counter = Counter()
-    for t in texts:
-        c.update(_GEMM_RE.findall(_strip_ptx_comments(t)))
-    return dict(sorted(c.items()))
-
-
-def gemm_instruction_forms(ptx_texts: str | Sequence[str]) -> list[str]:
-    """Sorted distinct GEMM instruction forms in PTX text(s) (see :func:`gemm_instruction_counts`)."""
-    return sorted(gemm_instruction_counts(ptx_texts))
-
-
-def ptx_entries(ptx: str) -> list[str]:
-    """Names of the kernels (``.entry`` functions) defined in a PTX text."""
-    return _ENTRY_RE.findall(ptx)
-
-
-def parse_ptxas_info(text: str) -> dict[str, dict[str, int]]:
-    """``{function: {"registers", "spill_stores", "spill_loads", "stack_frame"}}`` from ``ptxas -v`` output.
-
-    Reads the lines ``Function properties for NAME`` / ``N bytes stack frame, S bytes spill stores, L bytes spill
-    loads`` / ``Used R registers`` (the register line follows its entry's ``Compiling entry function 'NAME'``).
-    Spills and the stack frame are bytes; device functions without a register line get ``registers`` -1.
-    """
-    out: dict[str, dict[str, int]] = {}
-    props_for = entry = None
-    for line in text.splitlines():
-        m = re.search(r"Compiling entry function '([^']+)'", line)
-        if m:
-            entry = m.group(1)
-            out.setdefault(entry, {"registers": -1, "spill_stores": 0, "spill_loads": 0, "stack_frame": 0})
-            continue
-        m = re.search(r"Function properties for (\S+)", line)
-        if m:
-            props_for = m.group(1)
-            out.setdefault(props_for, {"registers": -1, "spill_stores": 0, "spill_loads": 0, "stack_frame": 0})
-            continue
-        m = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", line)
-        if m and props_for is not None:
-            out[props_for].update(stack_frame=int(m.group(1)), spill_stores=int(m.group(2)),
-                                  spill_loads=int(m.group(3)))
-            props_for = None
-            continue
-        m = re.search(r"Used (\d+) registers", line)
-        if m and entry is not None:
-            out[entry]["registers"] = int(m.group(1))
-            entry = None
-    return out
-
-
-def find_ptxas() -> str | None:
-    """Path of a ``ptxas`` that knows sm_90a: ``$PTXAS``, the ``nvidia-cuda-nvcc`` wheel of this Python
-    (``site-packages/nvidia/cu13/bin/ptxas``, installed by ``jax[cuda13]``), else ``ptxas`` on ``PATH``; or None."""
-    env = os.environ.get("PTXAS")
-    if env and os.path.isfile(env):
-        return env
-    try:
-        import nvidia  # namespace package of the NVIDIA wheels
-
-        for base in list(getattr(nvidia, "__path__", [])):
-            for cand in sorted(glob.glob(os.path.join(base, "*", "bin", "ptxas"))):
-                if os.access(cand, os.X_OK):
-                    return cand
-    except ImportError:
-        pass
-    return shutil.which("ptxas")
-
-
-def ptxas_info(ptx_path: str, ptxas: str | None = None, arch: str = "sm_90a") -> dict[str, dict[str, int]]:
-    """Run ``ptxas -v --gpu-name {arch}`` on one PTX file; :func:`parse_ptxas_info` of its report.
-
-    Raises:
-      FileNotFoundError: no ptxas (:func:`find_ptxas`).
-      RuntimeError: ptxas failed (its first error lines).
-    """
-    exe = ptxas or find_ptxas()
-    if exe is None:
-        raise FileNotFoundError("no ptxas found (set PTXAS, or install jax[cuda13]'s nvidia-cuda-nvcc wheel)")
-    r = subprocess.run([exe, "-v", "--gpu-name", arch, "-o", os.devnull, ptx_path], capture_output=True, text=True)
-    if r.returncode != 0:
-        raise RuntimeError(f"ptxas failed on {ptx_path}: {' '.join((r.stderr or r.stdout).strip().splitlines()[:3])}")
-    return parse_ptxas_info(r.stdout + "\n" + r.stderr)
-
-
-def pallas_base_name(kernel: str, pallas: Sequence[str]) -> str | None:
-    """The Pallas kernel name (of ``pallas``) that a PTX entry or thunk name stands for, or None: XLA names a
-    kernel's further variants (other shapes or settings of one ``pallas_call`` name) ``NAME__1``, ``NAME__2``, ..."""
-    if kernel in pallas:
-        return kernel
-    base, sep, num = kernel.rpartition("__")
-    if sep and num.isdigit() and base in pallas:
-        return base
-    return None
-
-
-def pallas_kernel_names(hlo_text: str) -> list[str]:
-    """Names of the Pallas-Triton kernels in an HLO text: the ``name`` of each ``__gpu$xla.gpu.triton``
-    custom call's backend config (sorted, distinct)."""
-    names = set()
-    for line in hlo_text.splitlines():
-        if "__gpu$xla.gpu.triton" in line:
-            m = re.search(r'\bname = "([^"]+)"', line)
-            if m:
-                names.add(m.group(1))
-    return sorted(names)
-
-
-# Thunk kinds (XLA:GPU ``Thunk::Kind`` names as the thunk-sequence dump prints them) that do not launch device work.
-_CONTROL_THUNKS = {"kWhile", "kConditional", "kSequential", "kCommandBuffer", "kWaitForStreams", "kPartitionId",
-                   "kReplicaId", "kInfeed", "kOutfeed", "kHostSend", "kHostRecv", "kHostSendDone", "kHostRecvDone",
-                   "kDynamicSlice"}
-
-
-def _parse_thunk_sequence(text: str) -> list[tuple[int, str, str, int]]:
-    """``[(indent, kind, name, thunk id)]`` of the ``NNN: kKind [...] name ...`` lines, and the section markers as
-    ``(indent, "condition:" / "body:" ..., "", -1)``."""
-    rows = []
-    for line in text.splitlines():
-        if not line.strip():
-            continue
-        indent = len(line) - len(line.lstrip())
-        m = re.match(r"\s*(\d+):\s+(k\w+)\s+\[[^\]]*\]\s*(\S*)", line)
-        if m:
-            rows.append((indent, m.group(2), m.group(3), int(m.group(1))))
-        elif line.strip().endswith(":"):
-            rows.append((indent, line.strip(), "", -1))
-    return rows
-
-
-def loop_bodies(thunk_text: str) -> list[list[tuple[int, str, str, int]]]:
-    """The thunks of every ``while`` body in a thunk-sequence dump (``*.thunk_sequence.txt``), in dump order
-    (outer loops before the loops they contain): each a list of ``(indent, kind, name, thunk id)``, nested loops'
-    condition and body thunks included (they run in every iteration of the outer body).
-
-    The dump lists a loop's condition and body thunks below the ``kWhile`` line, indented one level deeper
-    (``condition:`` / ``body:`` markers between them; a marker's own indentation is not reliable). A loop's body
-    starts at the first ``body:`` marker whose next thunk sits at the loop's own level."""
-    rows = _parse_thunk_sequence(thunk_text)
-    out = []
-    for i, (ind, kind, _, _) in enumerate(rows):
-        if kind != "kWhile":
-            continue
-        region = []
-        for r in rows[i + 1:]:
-            if r[1].startswith("k") and r[0] <= ind:
-                break  # the next thunk at the loop's own level or above
-            region.append(r)
-        thunks = [r for r in region if r[1].startswith("k")]
-        if not thunks:
-            out.append([])
-            continue
-        level = min(r[0] for r in thunks)
-        body, in_body = [], False
-        for j, r in enumerate(region):
-            if not r[1].startswith("k"):
-                if r[1] == "body:" and not in_body:
-                    nxt = next((x for x in region[j + 1:] if x[1].startswith("k")), None)
-                    in_body = nxt is not None and nxt[0] == level
-                continue
-            if in_body:
-                body.append(r)
-        out.append(body)
-    return out
-
-
-def thunk_annotations(metadata_text: str) -> dict[int, str]:
-    """``{thunk id: HLO instruction name}`` from a ``*.thunk_metadata.txt`` dump (``profile_annotation``)."""
-    out = {}
-    for block in re.findall(r"thunk_info\s*\{(.*?)\}", metadata_text, flags=re.S):
-        name = re.search(r'profile_annotation:\s*"([^"]*)"', block)
-        tid = re.search(r"thunk_id:\s*(\d+)", block)
-        if name and tid:
-            out[int(tid.group(1))] = name.group(1)
-    return out
-
-
-def custom_call_targets(hlo_text: str) -> dict[str, str]:
-    """``{instruction name: custom_call_target}`` of every custom call in an HLO text."""
-    out = {}
-    for m in re.finditer(r"%([\w.\-]+) = [^\n]*?custom-call\([^\n]*?custom_call_target=\"([^\"]+)\"", hlo_text):
-        out[m.group(1)] = m.group(2)
-    return out
-
-
-def classify_thunk(kind: str, name: str, pallas: Sequence[str] = (), target: str | None = None) -> str | None:
-    """What one thunk launches: ``"pallas"`` (a named Pallas-Triton kernel), ``"mosaic_gpu"`` (a Pallas Mosaic GPU
-    kernel), ``"triton_gemm"`` (XLA's own Triton GEMM fusion), ``"fusion"`` (other XLA kernel), ``"cublas"``,
-    ``"cudnn"``, ``"custom_call"`` (another custom call), ``"copy"`` (device-to-device memcpy), ``"collective"``,
-    ``"other"``; None for control-flow thunks. ``target``: the custom-call target of a ``kCustomCall`` thunk
-    (:func:`custom_call_targets`), when known."""
-    if kind in _CONTROL_THUNKS:
-        return None
-    if kind in ("kCustomKernel", "kKernel", "kTriton"):
-        if pallas_base_name(name, pallas) is not None:
-            return "pallas"
-        return "triton_gemm" if name.startswith(("gemm_fusion", "triton_gemm", "dot_fusion")) else "fusion"
-    if kind in ("kGemm", "kCublasLtMatmul"):
-        return "cublas"
-    if kind.startswith("kCuDnn") or kind == "kConvolution":
-        return "cudnn"
-    if kind in ("kCustomCall", "kFfi"):
-        t = (target or "").lower()
-        if "mosaic_gpu" in t:
-            return "mosaic_gpu"
-        if "cudnn" in t:
-            return "cudnn"
-        if "cublas" in t:
-            return "cublas"
-        return "custom_call"
-    if kind in ("kCopy", "kMemcpy", "kMemset32BitValue", "kMemzero", "kDeviceToDevice"):
-        return "copy"
-    if kind.startswith(("kAll", "kReduceScatter", "kCollective", "kNccl", "kRagged", "kSend", "kRecv")):
-        return "collective"
-    return "other"
-
-
-def loop_body_kernels(thunk_text: str, pallas: Sequence[str] = (), annotations: dict[int, str] | None = None,
-                      targets: dict[str, str] | None = None) -> tuple[int | None, dict[str, int]]:
-    """Device launches per iteration of the largest ``while`` body in a thunk-sequence dump.
-
-    For an engine's generate program that loop is the decode loop, so the count is the kernels per decode step
-    (each layer's fusions, GEMMs and Pallas kernels plus sampling and bookkeeping). Every launching thunk counts
-    once (:func:`classify_thunk`), memcpys included; a nested loop's thunks count once per listing (its trip
-    count is not multiplied in).
-
-    Args:
-      thunk_text: a ``*.thunk_sequence.txt`` dump.
-      pallas: Pallas-Triton kernel names (:func:`pallas_kernel_names`).
-      annotations, targets: :func:`thunk_annotations` and :func:`custom_call_targets` of the same program, to tell
-        a custom call's kind (Mosaic GPU, cuDNN, cuBLAS).
-
-    Returns:
-      ``(count, {kind: count})``, or ``(None, {})`` when the program has no loop.
-    """
-    annotations, targets = annotations or {}, targets or {}
-    best = None
-    for body in loop_bodies(thunk_text):
-        kinds = Counter()
-        for _, kind, name, tid in body:
-            k = classify_thunk(kind, name, pallas, targets.get(annotations.get(tid, ""), None))
-            if k is not None:
-                kinds[k] += 1
-        n = sum(kinds.values())
-        if best is None or n > best[0]:
-            best = (n, dict(sorted(kinds.items())))
-    return best if best is not None else (None, {})
-
-
-# Bytes per element of the HLO element types that appear in these programs' kernels.
-_HLO_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "f8e8m0fnu": 1, "s16": 2, "u16": 2,
-                    "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8}
-# Launch kinds (:func:`classify_thunk`) that are matrix products: what :func:`loop_body_gemm_bytes` sums.
-GEMM_KINDS = ("pallas", "mosaic_gpu", "triton_gemm", "cublas")
-
-
-def hlo_shape_bytes(shape: str) -> int:
-    """Bytes of an HLO shape text (``f32[8,1,6144]{2,1,0}``, a tuple ``(bf16[2,3], s32[])``: the sum of its arrays).
-
-    Raises:
-      ValueError: an element type not in the table (named)."""
-    total = 0
-    for dtype, dims in re.findall(r"\b([a-z]+\d*[a-z0-9]*)\[([\d,]*)\]", shape):
-        if dtype not in _HLO_DTYPE_BYTES:
-            raise ValueError(f"hlo_shape_bytes: unknown HLO element type {dtype!r} in {shape[:80]!r}")
-        total += _HLO_DTYPE_BYTES[dtype] * math.prod(int(d) for d in dims.split(",") if d)
-    return total
-
-
-def hlo_instructions(hlo_text: str) -> dict[str, tuple[int, list[str]]]:
-    """``{instruction name: (result bytes, [operand names])}`` of every instruction in an HLO text (names are
-    unique within a module). Operands are the ``%names`` between the opcode's parentheses."""
-    out = {}
-    for m in re.finditer(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*(.*)$", hlo_text, flags=re.M):
-        name, rest = m.group(1), m.group(2)
-        if rest.startswith("("):  # tuple shape: up to its matching parenthesis
-            depth = 0
-            for i, ch in enumerate(rest):
-                depth += ch == "("
-                depth -= ch == ")"
-                if depth == 0:
-                    break
-            shape, rest = rest[:i + 1], rest[i + 1:]
-        else:
-            shape, _, rest = rest.partition(" ")
-        args = re.match(r"\s*[\w\-]+\(([^)]*)\)", rest)
-        out[name] = (hlo_shape_bytes(shape), re.findall(r"%([\w.\-]+)", args.group(1)) if args else [])
-    return out
-
-
-def _largest_loop_body(thunk_text, pallas, annotations, targets):
-    """``(body thunks with their kind, {kind: count})`` of the ``while`` body with the most launches, or None."""
-    best = None
-    for body in loop_bodies(thunk_text):
-        rows = [(tid, classify_thunk(kind, name, pallas, targets.get(annotations.get(tid, ""), None)))
-                for _, kind, name, tid in body]
-        rows = [(tid, k) for tid, k in rows if k is not None]
-        if best is None or len(rows) > len(best):
-            best = rows
-    return best
-
-
-def loop_body_gemm_bytes(thunk_text: str, hlo_text: str, pallas: Sequence[str] = (),
-                         annotations: dict[int, str] | None = None,
-                         targets: dict[str, str] | None = None) -> int | None:
-    """Bytes the matrix-product launches (:data:`GEMM_KINDS`) of one iteration of the largest ``while`` body move:
-    for each launch, its result plus each distinct operand buffer once, from the shapes in the optimized HLO.
-
-    For a generate program's decode loop this is what its linears (and XLA's attention dots over the KV cache)
-    read and write per token: the weights, their scales, the activations and any split-K partials. A kernel
-    that reads an operand once (the project's decode and Mosaic GEMMs read each weight tile in exactly one
-    program) moves exactly this; an operand passed twice (the fused gate|up stack read as two halves) counts
-    once. Per layer: the difference between two layer counts, as for :func:`loop_body_kernels`.
-
-    Returns None when the program has no loop or a launch has no HLO instruction (no thunk metadata)."""
-    annotations, targets = annotations or {}, targets or {}
-    body = _largest_loop_body(thunk_text, pallas, annotations, targets)
-    if body is None:
-        return None
-    instr = hlo_instructions(hlo_text)
-    total = 0
-    for tid, kind in body:
-        if kind not in GEMM_KINDS:
-            continue
-        name = annotations.get(tid)
-        if name not in instr:
-            return None
-        out_bytes, operands = instr[name]
-        total += out_bytes + sum(instr[o][0] for o in dict.fromkeys(operands) if o in instr)
-    return total
-
-
 def _worst(cur: dict | None, new: dict) -> dict:
     """Keep the variant with the most spilled bytes (then registers); count the variants."""
     new = dict(new, variants=1 + (cur["variants"] if cur else 0))
@@ -709,18 +341,6 @@ _INFO_KEYS = ("registers", "spill_stores", "spill_loads", "stack_frame")
 # plugin compiles a kernel once per process ("Found Mosaic GPU kernel in cache") and dumps it only then, so a later
 # program with the same kernel finds its PTX and ptxas report here. Values: [(file stem, PTX, ptxas report)].
 _MOSAIC_SEEN: dict[str, list[tuple[str, str, str]]] = {}
-
-
-def mosaic_kernel_hashes(hlo_text: str) -> list[str]:
-    """The ``kernel_hash`` of every Mosaic GPU custom call in an HLO text, distinct, in order of appearance."""
-    out = []
-    for line in hlo_text.splitlines():
-        if "mosaic_gpu" not in line:
-            continue
-        for h in re.findall(r'kernel_hash = "((?:[^"\\]|\\.)*)"', line):
-            if h not in out:
-                out.append(h)
-    return out
 
 
 def _mosaic_kernels(res: H100Compile, hlo: str, mosaic_dir: str) -> list[tuple[str, str, str]]:

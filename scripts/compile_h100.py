@@ -35,7 +35,7 @@ cores), ``pallas_kernels`` and ``spills`` (``ptxas -v`` of each Pallas kernel's 
 compiling without the device), and for
 a generate program ``kernels_per_token`` (device launches per decode step at 2 layers, from XLA's thunk sequence) and
 ``kernels_per_layer_per_token`` ((4-layer count - 2-layer count) / 2), ``gemm_bytes_per_layer_per_token`` (bytes
-the decode loop's matrix-product launches move per layer: ``fp8rl_jax.gpu_target.loop_body_gemm_bytes``, the same
+the decode loop's matrix-product launches move per layer: ``fp8rl_jax.gpu_dump.loop_body_gemm_bytes``, the same
 difference) beside ``weight_bytes_per_layer`` and ``active_weight_bytes_per_layer`` (a layer's weights as the engine
 holds them; MoE: the top-k experts one token reads). Results: ``<output_dir>/h100_compile.json``
 and ``.md``. Exit status: 0 when every program compiled, 1 when any failed (each named with its error; the others
@@ -192,7 +192,8 @@ def run_task(task: str, dump_root: str, keep_dumps: bool) -> dict:
     """Compile one task (``NAME`` at 2 layers, ``NAME@4`` at 4 for the kernel count) and analyze it."""
     import traceback
 
-    from fp8rl_jax.gpu_target import compile_error_summary, compile_for_h100
+    from fp8rl_jax.gpu_dump import compile_error_summary
+    from fp8rl_jax.gpu_target import compile_for_h100
 
     name, _, lay = task.partition("@")
     layers = int(lay) if lay else LAYERS

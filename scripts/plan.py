@@ -329,7 +329,7 @@ def main(argv=None) -> int:
         try:
             res[key] = run()
         except Exception as e:
-            from fp8rl_jax.gpu_target import compile_error_summary
+            from fp8rl_jax.gpu_dump import compile_error_summary
 
             res[key] = {"failed": True, "error": compile_error_summary(e).replace(ROOT + os.sep, "")}
             failed.append(key)

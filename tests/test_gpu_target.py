@@ -1,4 +1,4 @@
-"""fp8rl_jax.gpu_target: lowering for an abstract H100 without a GPU, and the readers of XLA:GPU's dump (PTX GEMM
+"""fp8rl_jax.gpu_target and fp8rl_jax.gpu_dump: lowering for an abstract H100 without a GPU, and the readers of XLA:GPU's dump (PTX GEMM
 forms, ptxas register/spill reports, kernels per loop iteration) on excerpts of real sm_90a compiles.
 
 The excerpts below were cut from files a deviceless sm_90a compile wrote here (scripts/compile_h100.py, jax 0.10.2
@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from jax.experimental import pallas as pl
 
+from fp8rl_jax import gpu_dump as gd
 from fp8rl_jax import gpu_target as gt
 
 # Two kernels of one program's PTX: XLA's Triton GEMM fusion of a bf16 dot (Hopper wgmma) and the Pallas-Triton
@@ -106,33 +107,33 @@ condition:
 
 
 def test_gemm_forms_and_counts_from_real_ptx():
-    assert gt.gemm_instruction_forms(PTX) == [
+    assert gd.gemm_instruction_forms(PTX) == [
         "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32",
         "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3",
         "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16",
     ]  # no fence/commit/wait, no ldmatrix/cvt, nothing from the comment
-    assert gt.gemm_instruction_counts([PTX, PTX]) == {
+    assert gd.gemm_instruction_counts([PTX, PTX]) == {
         "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32": 4,
         "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3": 2,
         "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16": 4,
     }
-    assert gt.ptx_entries(PTX) == ["gemm_fusion_dot_64", "fp8_w8a8_block_gemm"]
+    assert gd.ptx_entries(PTX) == ["gemm_fusion_dot_64", "fp8_w8a8_block_gemm"]
 
 
 def test_ptxas_report_registers_and_spills():
-    info = gt.parse_ptxas_info(PTXAS)
+    info = gd.parse_ptxas_info(PTXAS)
     assert info["fp8_w8a8_block_gemm"] == {"registers": 64, "spill_stores": 2640, "spill_loads": 2588,
                                            "stack_frame": 1576}
     assert info["gemm_fusion_dot_68"] == {"registers": 32, "spill_stores": 0, "spill_loads": 0, "stack_frame": 0}
 
 
 def test_kernels_per_loop_iteration_of_nested_loops():
-    bodies = gt.loop_bodies(THUNKS)
+    bodies = gd.loop_bodies(THUNKS)
     assert [[t[3] for t in b] for b in bodies] == [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15], [9, 10]]
-    n, kinds = gt.loop_body_kernels(THUNKS, pallas=("loop_divide_fusion",))
+    n, kinds = gd.loop_body_kernels(THUNKS, pallas=("loop_divide_fusion",))
     # the outer body: 8 kernels + 2 copies, the inner loop's condition and body included, its kWhile not
     assert (n, kinds) == (10, {"copy": 2, "fusion": 7, "pallas": 1})
-    assert gt.loop_body_kernels(THUNKS.replace("kWhile", "kCopy")) == (None, {})
+    assert gd.loop_body_kernels(THUNKS.replace("kWhile", "kCopy")) == (None, {})
 
 
 GEMM_THUNKS = """\
@@ -167,30 +168,30 @@ def test_gemm_bytes_of_a_loop_iteration():
     pallas_call = (nbytes(np.float32, 8, 1, 6144) + nbytes(np.uint8, 6144, 4096) + nbytes(np.float32, 48, 32)
                    + nbytes(jnp.bfloat16, 1, 4096))
     dot = nbytes(jnp.bfloat16, 8, 4, 128) + nbytes(jnp.bfloat16, 1, 6144) + nbytes(jnp.bfloat16, 2, 512, 8, 128) + 4
-    got = gt.loop_body_gemm_bytes(GEMM_THUNKS, GEMM_HLO, pallas=("fp8_w8a8_decode_splitk",), annotations=ann)
+    got = gd.loop_body_gemm_bytes(GEMM_THUNKS, GEMM_HLO, pallas=("fp8_w8a8_decode_splitk",), annotations=ann)
     assert got == pallas_call + dot
-    assert gt.hlo_shape_bytes("(bf16[2,3]{1,0}, s32[])") == 16
+    assert gd.hlo_shape_bytes("(bf16[2,3]{1,0}, s32[])") == 16
     with pytest.raises(ValueError, match="unknown HLO element type 'q9'"):
-        gt.hlo_shape_bytes("q9[3]")
-    assert gt.loop_body_gemm_bytes(GEMM_THUNKS, GEMM_HLO, annotations={}) is None  # no metadata: not guessed
-    assert gt.loop_body_gemm_bytes(GEMM_THUNKS.replace("kWhile", "kCopy"), GEMM_HLO, annotations=ann) is None
+        gd.hlo_shape_bytes("q9[3]")
+    assert gd.loop_body_gemm_bytes(GEMM_THUNKS, GEMM_HLO, annotations={}) is None  # no metadata: not guessed
+    assert gd.loop_body_gemm_bytes(GEMM_THUNKS.replace("kWhile", "kCopy"), GEMM_HLO, annotations=ann) is None
 
 
 def test_pallas_variant_names_and_custom_call_kinds():
-    assert gt.pallas_base_name("fp8_w8a8_decode_splitk__7", ["fp8_w8a8_decode_splitk"]) == "fp8_w8a8_decode_splitk"
-    assert gt.pallas_base_name("fp8_w8a8_decode_splitk", ["fp8_w8a8_decode_splitk"]) == "fp8_w8a8_decode_splitk"
-    assert gt.pallas_base_name("loop_add_fusion_2", ["loop_add_fusion"]) is None
+    assert gd.pallas_base_name("fp8_w8a8_decode_splitk__7", ["fp8_w8a8_decode_splitk"]) == "fp8_w8a8_decode_splitk"
+    assert gd.pallas_base_name("fp8_w8a8_decode_splitk", ["fp8_w8a8_decode_splitk"]) == "fp8_w8a8_decode_splitk"
+    assert gd.pallas_base_name("loop_add_fusion_2", ["loop_add_fusion"]) is None
     hlo = ('  %mpmd_map.0 = bf16[256,1024]{1,0} custom-call(%a, %b), custom_call_target="mosaic_gpu_v2", '
            'api_version=API_VERSION_TYPED_FFI\n')
-    assert gt.custom_call_targets(hlo) == {"mpmd_map.0": "mosaic_gpu_v2"}
+    assert gd.custom_call_targets(hlo) == {"mpmd_map.0": "mosaic_gpu_v2"}
     meta = 'thunk_metadata {\n  thunk_info {\n    profile_annotation: "mpmd_map.0"\n    thunk_id: 2\n  }\n}\n'
-    assert gt.thunk_annotations(meta) == {2: "mpmd_map.0"}
-    assert gt.classify_thunk("kCustomCall", "kCustomCall", target="mosaic_gpu_v2") == "mosaic_gpu"
+    assert gd.thunk_annotations(meta) == {2: "mpmd_map.0"}
+    assert gd.classify_thunk("kCustomCall", "kCustomCall", target="mosaic_gpu_v2") == "mosaic_gpu"
     # the plugin compiles (and dumps) a Mosaic GPU kernel once per process: its custom calls are told by kernel_hash
     line = ('  ROOT %mpmd_map.0 = bf16[256,1024]{1,0} custom-call(%a.1), custom_call_target="mosaic_gpu_v2", '
             'backend_config={kernel_hash = "\\9Dt}{\\D4\\12kl\\9D\\1B\\E7K^", module = "ML\\EFR"}')
-    assert gt.mosaic_kernel_hashes(line + "\n" + line) == ["\\9Dt}{\\D4\\12kl\\9D\\1B\\E7K^"]
-    assert gt.classify_thunk("kWhile", "") is None
+    assert gd.mosaic_kernel_hashes(line + "\n" + line) == ["\\9Dt}{\\D4\\12kl\\9D\\1B\\E7K^"]
+    assert gd.classify_thunk("kWhile", "") is None
 
 
 def _add_one_kernel(x_ref, o_ref):
@@ -251,8 +252,8 @@ def test_compile_error_summary_keeps_the_cause_and_the_project_frames():
                      "Suspected Python Code Location:",
                      "  /work/main/fp8rl_jax/models/decoder.py:280:38 [Attention._attend.<locals>.attention]",
                      "  /work/main/fp8rl_jax/fp8/kernels.py:228:11 [choose]"])
-    out = gt.compile_error_summary(RuntimeError(msg)).splitlines()
+    out = gd.compile_error_summary(RuntimeError(msg)).splitlines()
     assert out[0] == "RuntimeError: INTERNAL: custom_partitioner: Traceback (most recent call last):"
     assert out[1] == "ValueError: Query, key and value should have same sharding."
     assert out[2] == "Suspected Python Code Location:" and "decoder.py:280" in out[3] and "kernels.py" in out[4]
-    assert gt.compile_error_summary(ValueError("short")) == "ValueError: short"
+    assert gd.compile_error_summary(ValueError("short")) == "ValueError: short"

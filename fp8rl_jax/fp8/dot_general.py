@@ -42,7 +42,7 @@ from jax import lax
 from fp8rl_jax.fp8.formats import (ACTIVATION_RECIPE, BLOCK_SIZE, VLLM_TENSOR_NATIVE, WEIGHT_RECIPE, QuantRecipe,
                                    block_amax, compute_scale, fp8_dtype, scale_values, to_f32_exact)
 from fp8rl_jax.fp8 import mosaic_gemm  # registers the w8a8_gemm family's self-test; Mosaic GPU itself loads lazily
-from fp8rl_jax.fp8.kernels import choose, on_cuda, run_pallas
+from fp8rl_jax.fp8.kernels import choose, run_pallas
 from fp8rl_jax.fp8.pallas_decode import MAX_DECODE_ROWS
 from fp8rl_jax.fp8.quant import _quantize_blocks, _quantize_groups
 

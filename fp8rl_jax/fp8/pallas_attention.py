@@ -52,7 +52,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from fp8rl_jax.fp8.kv_cache import is_fp8_cache, quantize_kv
-from fp8rl_jax.fp8.kernels import KernelMismatch, choose, register_selftest, run_pallas
+from fp8rl_jax.fp8.kernels import choose, register_selftest, run_pallas
 
 #: ``kv_attention`` choices of the engine / :func:`use_fp8_kv_kernel`.
 KV_ATTENTION_IMPLS = ("auto", "materialize", "pallas", "interpret")
