@@ -275,6 +275,19 @@ def classify_thunk(kind: str, name: str, pallas: Sequence[str] = (), target: str
     return "other"
 
 
+def _largest_loop_body(thunk_text, pallas, annotations, targets) -> list[tuple[int, str]] | None:
+    """``[(thunk id, launch kind)]`` of the launching thunks (:func:`classify_thunk`) of the ``while`` body with the
+    most launches, or None when the program has no loop."""
+    best = None
+    for body in loop_bodies(thunk_text):
+        rows = [(tid, classify_thunk(kind, name, pallas, targets.get(annotations.get(tid, ""), None)))
+                for _, kind, name, tid in body]
+        rows = [(tid, k) for tid, k in rows if k is not None]
+        if best is None or len(rows) > len(best):
+            best = rows
+    return best
+
+
 def loop_body_kernels(thunk_text: str, pallas: Sequence[str] = (), annotations: dict[int, str] | None = None,
                       targets: dict[str, str] | None = None) -> tuple[int | None, dict[str, int]]:
     """Device launches per iteration of the largest ``while`` body in a thunk-sequence dump.
@@ -293,18 +306,10 @@ def loop_body_kernels(thunk_text: str, pallas: Sequence[str] = (), annotations: 
     Returns:
       ``(count, {kind: count})``, or ``(None, {})`` when the program has no loop.
     """
-    annotations, targets = annotations or {}, targets or {}
-    best = None
-    for body in loop_bodies(thunk_text):
-        kinds = Counter()
-        for _, kind, name, tid in body:
-            k = classify_thunk(kind, name, pallas, targets.get(annotations.get(tid, ""), None))
-            if k is not None:
-                kinds[k] += 1
-        n = sum(kinds.values())
-        if best is None or n > best[0]:
-            best = (n, dict(sorted(kinds.items())))
-    return best if best is not None else (None, {})
+    body = _largest_loop_body(thunk_text, pallas, annotations or {}, targets or {})
+    if body is None:
+        return None, {}
+    return len(body), dict(sorted(Counter(k for _, k in body).items()))
 
 
 # Bytes per element of the HLO element types that appear in these programs' kernels.
@@ -346,18 +351,6 @@ def hlo_instructions(hlo_text: str) -> dict[str, tuple[int, list[str]]]:
         args = re.match(r"\s*[\w\-]+\(([^)]*)\)", rest)
         out[name] = (hlo_shape_bytes(shape), re.findall(r"%([\w.\-]+)", args.group(1)) if args else [])
     return out
-
-
-def _largest_loop_body(thunk_text, pallas, annotations, targets):
-    """``(body thunks with their kind, {kind: count})`` of the ``while`` body with the most launches, or None."""
-    best = None
-    for body in loop_bodies(thunk_text):
-        rows = [(tid, classify_thunk(kind, name, pallas, targets.get(annotations.get(tid, ""), None)))
-                for _, kind, name, tid in body]
-        rows = [(tid, k) for tid, k in rows if k is not None]
-        if best is None or len(rows) > len(best):
-            best = rows
-    return best
 
 
 def loop_body_gemm_bytes(thunk_text: str, hlo_text: str, pallas: Sequence[str] = (),
