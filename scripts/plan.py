@@ -160,21 +160,16 @@ def generate_program(model_cfg, mesh, precision: str, kv_cache_dtype: str, rows:
     from flax import nnx
 
     from fp8rl_jax.fp8.kv_cache import kv_cache_storage_dtype, normalize_kv_cache_dtype
-    from fp8rl_jax.models.decoder import Attention, CausalLM
+    from fp8rl_jax.models.decoder import CausalLM
     from fp8rl_jax.models.loading import as_dtype
-    from fp8rl_jax.models.moe import set_expert_impl
     from fp8rl_jax.parallel.rules import batch_sharding, state_shardings
-    from fp8rl_jax.rollout.engine import ENGINE_PRECISIONS, _generate
+    from fp8rl_jax.rollout.engine import ENGINE_PRECISIONS, _generate, configure_engine_model
 
     linear, dtype, _ = ENGINE_PRECISIONS[precision]
     dtype = as_dtype(dtype)
     model = nnx.eval_shape(lambda: CausalLM(model_cfg, linear_precision=linear, param_dtype=dtype, dtype=dtype,
                                             rngs=nnx.Rngs(0), fuse_projections=fuse_projections))
-    if kv_attention is not None:
-        for _, mod in nnx.iter_modules(model):
-            if isinstance(mod, Attention):
-                mod.kv_attention = kv_attention
-    set_expert_impl(model, expert_impl)
+    configure_engine_model(model, kv_attention, expert_impl)
     gd, st = nnx.split(model)
     sh = state_shardings(st, mesh)
     kv = normalize_kv_cache_dtype(kv_cache_dtype)

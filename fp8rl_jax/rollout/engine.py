@@ -65,6 +65,18 @@ def engine_fuses_projections(precision: str, mesh=None, fuse_projections: bool =
     return bool(fuse_projections) and ENGINE_PRECISIONS[precision][0] == "fp8" and mesh is None
 
 
+def configure_engine_model(model, kv_attention: str | None, expert_impl: str) -> str:
+    """Set the engine's kernel choices on a model (the engine and ``scripts/plan.py`` build the same program):
+    ``kv_attention`` (:data:`fp8rl_jax.fp8.pallas_attention.KV_ATTENTION_IMPLS`; None leaves the modules' own) on
+    every attention module, ``expert_impl`` on every sparse MLP block (:func:`fp8rl_jax.models.moe.set_expert_impl`,
+    which raises ``ValueError`` for an unknown name). Returns the expert implementation set."""
+    if kv_attention is not None:
+        for _, mod in nnx.iter_modules(model):
+            if isinstance(mod, Attention):
+                mod.kv_attention = kv_attention
+    return set_expert_impl(model, expert_impl)
+
+
 class StaleWeightsError(RuntimeError):
     """Raised when generation is requested with weights older than the engine was told to expect."""
 
@@ -164,13 +176,10 @@ class JaxRolloutEngine:
         params = {k: v for k, v in weights.tensors.items() if not is_kv_scale_name(k)}
         self.model = build_model(config, params, linear_precision=linear, param_dtype=dtype, dtype=dtype,
                                  fuse_projections=engine_fuses_projections(precision, mesh, fuse_projections))
-        #: decode attention over an e4m3 cache (see ``kv_attention``), set on every attention module
+        #: attention over an e4m3 cache (see ``kv_attention``) and the Qwen3-MoE expert implementation (see
+        #: ``expert_impl``), as set on the model's modules
         self.kv_attention = "materialize" if (kv_attention == "auto" and mesh is not None) else kv_attention
-        for _, mod in nnx.iter_modules(self.model):
-            if isinstance(mod, Attention):
-                mod.kv_attention = self.kv_attention
-        #: Qwen3-MoE expert implementation (see ``expert_impl``), set on every sparse MLP block
-        self.expert_impl = set_expert_impl(self.model, expert_impl)
+        self.expert_impl = configure_engine_model(self.model, self.kv_attention, expert_impl)
         #: the fused q/k/v and gate/up groups this engine runs (:class:`fp8rl_jax.models.fused.FusedProjection`)
         self.fused_projections = self.model.fused_projections
         self.cache_dtype = kv_cache_storage_dtype(self.kv_cache_dtype, dtype)
