@@ -106,6 +106,7 @@ class RolloutBatch:
     weights_version: int = 0
     routed_experts: np.ndarray | None = None
     prompt_routed_experts: list[np.ndarray] | None = None
+    token_versions: np.ndarray | None = None
 
     @property
     def response_lengths(self) -> np.ndarray:

@@ -77,6 +77,7 @@ class CheckpointStore:
                              f"{save_interval_steps}")
         ocp = _ocp()
         self.directory = os.path.abspath(directory)
+        self.save_interval_steps = int(save_interval_steps)
         self._manager = ocp.CheckpointManager(
             self.directory,
             options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, save_interval_steps=save_interval_steps,

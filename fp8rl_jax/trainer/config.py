@@ -16,6 +16,7 @@ from fp8rl_jax.data.registry import TRAIN_TASKS
 from fp8rl_jax.fp8.training import GRAD_PRECISIONS
 from fp8rl_jax.rollout.verify import MISMATCH_ACTIONS, VERIFY_SYNC_MODES
 from fp8rl_jax.trainer.dapo import FILTER_METRICS
+from fp8rl_jax.trainer.pipeline import check_staleness
 from fp8rl_jax.trainer.precision import TRAIN_PRECISIONS
 from fp8rl_jax.trainer.validation import check_field_types
 
@@ -118,6 +119,21 @@ class TrainConfig:
         In one process the embedded engine runs on the same mesh (colocated: the FP8 export, sharded by the same
         rules, becomes its weights without a gather or a second copy); an engine in other processes (vLLM, Ray,
         several JAX processes) gets whole tensors.
+      max_staleness: asynchronous RL (:mod:`fp8rl_jax.trainer.pipeline`, docs/ASYNC.md): the rollout of steps
+        ``t+1 .. t+k`` runs in a background producer while step ``t`` trains, and no trained token is more than
+        ``k`` weight versions older than the trainer. ``0`` (default) is the synchronous loop. Every token carries
+        the version that sampled it (``async/staleness_*`` metrics); the loss sees the engine's behaviour
+        ``rollout_logprobs`` and the trainer's recomputed ``old_logprobs`` (the ``decoupled_*`` presets: AReaL's
+        decoupled PPO).
+      async_schedule: ``"fixed"``: batch ``s`` is sampled by exactly version ``max(0, s - k)`` (deterministic,
+        resumes bit for bit; ``k = 1`` is verl's one-step-off-policy); ``"latest"``: by the newest published version
+        (fully asynchronous, timing-dependent).
+      partial_rollout: with ``"latest"``: generate in chunks of ``partial_rollout_tokens`` and apply a newer
+        version between chunks, so a sequence cut by an update continues under the new weights (verl / slime
+        partial rollouts); its tokens record both versions.
+      mismatch_split: with ``max_staleness > 0``: keep the trainer's params of the versions in flight (one extra
+        copy of the params per version, up to ``k``) and split ``rollout_corr/k3_kl`` into ``async/k3_precision``
+        (trainer vs engine at the sampling version) and ``async/k3_policy_lag`` (trainer now vs then).
       micro_batch_size: gradient accumulation: rows per forward/backward inside one optimizer update (maxtext
         ``gradient_accumulation_steps``, tunix ``train_micro_batch_size``); must divide the minibatch
         (``prompts_per_step * samples_per_prompt / num_minibatches``). The loss is normalized by the whole
@@ -223,6 +239,11 @@ class TrainConfig:
     expert_impl: str = "auto"
     logprobs_chunk_size: int | None = 2048
     offload_optimizer: bool = False
+    max_staleness: int = 0
+    async_schedule: str = "fixed"
+    partial_rollout: bool = False
+    partial_rollout_tokens: int = 32
+    mismatch_split: bool = False
 
     @property
     def response_budget(self) -> int:
@@ -262,6 +283,11 @@ class TrainConfig:
         choice("vllm_transport", ("inprocess", "shm", "dist", "vllm"))
         choice("verify_sync", VERIFY_SYNC_MODES)
         choice("mismatch_action", MISMATCH_ACTIONS)
+        check_staleness(self.max_staleness, self.async_schedule, self.partial_rollout)
+        self._int_at_least("partial_rollout_tokens", 1)
+        if self.max_staleness > 0 and self.offload_optimizer:
+            raise ValueError("train.offload_optimizer=True needs train.max_staleness=0: the optimizer state cannot "
+                             "wait in host memory during rollout when rollout and training overlap")
         self._int_at_least("max_prompt_length", 1)
         if self.max_k3_kl is not None and not self.max_k3_kl > 0:
             raise ValueError(f"train.max_k3_kl must be > 0 or None, got {self.max_k3_kl!r}")

@@ -129,7 +129,8 @@ def select_groups(sb: ScoredBatch, groups, group_size: int) -> ScoredBatch:
         weights_version=rb.weights_version,
         routed_experts=None if rb.routed_experts is None else np.asarray(rb.routed_experts)[rows],
         prompt_routed_experts=(None if rb.prompt_routed_experts is None
-                               else [rb.prompt_routed_experts[r] for r in rows]))
+                               else [rb.prompt_routed_experts[r] for r in rows]),
+        token_versions=None if rb.token_versions is None else np.asarray(rb.token_versions)[rows])
     return ScoredBatch(new_rb, [sb.items[int(rb.prompt_index[g * group_size])] for g in groups],
                        [sb.texts[r] for r in rows], sb.scores[rows], sb.rewards[rows])
 
@@ -159,7 +160,9 @@ def concat_scored(batches: list[ScoredBatch]) -> ScoredBatch:
         routed_experts=(None if any(b.rollout.routed_experts is None for b in batches)
                         else np.concatenate([np.asarray(b.rollout.routed_experts) for b in batches])),
         prompt_routed_experts=(None if any(b.rollout.prompt_routed_experts is None for b in batches)
-                               else [r for b in batches for r in b.rollout.prompt_routed_experts]))
+                               else [r for b in batches for r in b.rollout.prompt_routed_experts]),
+        token_versions=(None if any(b.rollout.token_versions is None for b in batches)
+                        else np.concatenate([np.asarray(b.rollout.token_versions) for b in batches])))
     return ScoredBatch(rb, [it for b in batches for it in b.items], [t for b in batches for t in b.texts],
                        np.concatenate([b.scores for b in batches]), np.concatenate([b.rewards for b in batches]))
 

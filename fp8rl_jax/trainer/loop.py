@@ -12,10 +12,12 @@ the gin/script entry point.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import math
 import os
+import threading
 import time
 import warnings
 from typing import Any
@@ -38,13 +40,15 @@ from fp8rl_jax.parallel.loading import build_sharded_model, shard_optimizer
 from fp8rl_jax.parallel.mesh import MeshConfig, format_mesh_shape, mesh_from, mesh_shape_of
 from fp8rl_jax.rollout import verify
 from fp8rl_jax.rollout.engine import ENGINE_PRECISIONS, JaxRolloutEngine, engine_fuses_projections
-from fp8rl_jax.rollout.types import RolloutEngine, SamplingParams
+from fp8rl_jax.rollout.types import RolloutBatch, RolloutEngine, SamplingParams
 from fp8rl_jax.trainer.offload import HOST as OFFLOAD_MEMORY, move_optimizer_state
 from fp8rl_jax.trainer.checkpoint import (CheckpointStore, load_model_state, load_optimizer_state, model_state,
                                           optimizer_state)
 from fp8rl_jax.trainer import dapo
 from fp8rl_jax.trainer.config import TrainConfig
 from fp8rl_jax.trainer.model_setup import configure_train_model
+from fp8rl_jax.trainer.pipeline import (RolloutJob, RolloutPipeline, RolloutVersionError, jobs_from_json,
+                                        jobs_to_json, staleness_metrics)
 from fp8rl_jax.trainer.distributed import gather_rollout, process_prompt_slice, to_host
 from fp8rl_jax.trainer.precision import (LossScaleConfig, LossScaleState, compute_dtype,
                                          init_loss_scale, wrap_optimizer)
@@ -90,6 +94,18 @@ class RLTrainer:
     def __init__(self, config: TrainConfig, loss_config: Any = None, engine: RolloutEngine | None = None,
                  dataset: Any = None):
         self.cfg = config
+        if config.max_staleness > 0 and jax.process_count() > 1:
+            raise ValueError("train.max_staleness > 0 runs in one trainer process (a background rollout thread); "
+                             f"this job has {jax.process_count()} JAX processes: use max_staleness=0")
+        # asynchronous RL (fp8rl_jax.trainer.pipeline): the producer thread, the engine's lock, carried batches
+        self._pipeline: RolloutPipeline | None = None
+        self._engine_lock = threading.RLock()
+        self._carried_jobs: dict[int, RolloutJob] = {}
+        self._version_params: dict[int, Any] = {}
+        self._shadow_model = None
+        self._async_probe_diff = math.nan
+        self._wait_seen = 0.0
+        self._engine_version = 0
         set_kernel_mode(config.kernels)  # before anything is traced: programs lowered for CUDA pick kernels by it
         self.loss_config = loss_config if loss_config is not None else objectives.LossConfig()
         self.reward_fn = get_reward_fn(config.reward)
@@ -160,6 +176,9 @@ class RLTrainer:
         self.engine = engine
         self.init_sync_s = time.perf_counter() - t0
         self.moe_layers = tuple(i for i in range(model_cfg.num_hidden_layers) if model_cfg.is_sparse_layer(i))
+        if config.partial_rollout and self.moe_layers and config.routing_replay:
+            raise ValueError("train.partial_rollout=True with train.routing_replay=True: a continued sequence has no "
+                             "routing record for its first part; set one of them to False")
         self._train_step = self._build_train_step()
         self._logprobs = nnx.jit(_response_logprobs_uncaptured)
         self.sync_probe = verify.make_sync_probe(self.tokenizer.encode, model_cfg.vocab_size)
@@ -208,6 +227,12 @@ class RLTrainer:
         meta = {"rl_step": self.step_count, "data_iterator": batches, "seed": self.cfg.seed,
                 "model": self.cfg.model, "train_precision": self.cfg.train_precision,
                 "rollout_precision": self.cfg.rollout_precision}
+        if self._pipeline is not None:  # asynchronous: batches of older versions ride along, the rest is redone
+            jobs = self._pipeline.jobs_to_checkpoint(self.step_count)
+            first_redo = max(jobs) + 1 if jobs else self.step_count
+            meta.update({"data_iterator": self._pipeline.data_state_at.get(first_redo, batches),
+                         "inflight_rollouts": jobs_to_json(jobs), "max_staleness": self.cfg.max_staleness,
+                         "async_schedule": self.cfg.async_schedule})
         return state, meta
 
     def save_checkpoint(self, store: CheckpointStore, *, force: bool = False) -> bool:
@@ -216,6 +241,8 @@ class RLTrainer:
         Orbax saves only steps divisible by the store's ``save_interval_steps`` unless ``force``.
         Returns True if a save was started.
         """
+        if not force and self.step_count % getattr(store, "save_interval_steps", 1):
+            return False  # not a save step (and an asynchronous run's in-flight batches are not waited for)
         state, meta = self.checkpoint_state()
         return store.save(self.step_count, state, meta, force=force)
 
@@ -233,6 +260,7 @@ class RLTrainer:
           CheckpointNotFoundError / FileNotFoundError: no such checkpoint, or a missing item (named).
           ValueError: the checkpoint belongs to another model/optimizer/precision (shapes or tree differ).
         """
+        self.close_pipeline()  # a running producer belongs to the state being replaced
         targets, _ = self.checkpoint_state()  # the restore target: the tree this trainer would save
         state, meta = store.restore(step, targets)
         if meta.get("train_precision", self.cfg.train_precision) != self.cfg.train_precision:
@@ -246,8 +274,15 @@ class RLTrainer:
         if it is not None:  # the batch stream is a pure function of (dataset, batch size, seed, position)
             self.batches = self.dataset.iterate_batches(it["batch_size"], it["seed"], start_index=it["position"],
                                                         shuffle=it.get("shuffle", True))
+        self._carried_jobs = jobs_from_json(meta.get("inflight_rollouts"))
+        if self._carried_jobs and self.cfg.max_staleness == 0:
+            raise ValueError(f"checkpoint step {self.step_count} was written by an asynchronous run (max_staleness="
+                             f"{meta.get('max_staleness')}) and carries in-flight batches "
+                             f"{sorted(self._carried_jobs)}: resume it with the same train.max_staleness")
+        self._version_params = {}
         self.engine.update_weights(self.export(**_sync_options(self.engine)))
-        self._verify_after_sync()
+        self._engine_version = self.step_count
+        self._async_probe_diff = self._verify_after_sync()  # the check of the version the producer starts from
         return self.step_count
 
     # -- sync content check (fp8rl_jax.rollout.verify) --------------------------------------------------------
@@ -264,30 +299,46 @@ class RLTrainer:
 
         An engine without a ``score`` method (an injected one) is not checked: one RuntimeWarning, NaN returned.
         """
-        probe, cfg = self.sync_probe, self.cfg
+        probe = self._probe_reference()
+        if probe is None:
+            return math.nan
+        return self._check_engine_probe(probe, self.step_count)
+
+    def _probe_reference(self):
+        """The trainer's side of the content probe at its current params: ``(logprob rows, k/v scales sent)``, or
+        None for an engine without ``score`` (one RuntimeWarning)."""
+        probe = self.sync_probe
         if not hasattr(self.engine, "score"):  # an injected engine (tests, custom engines) may not score
             if not self._warned_no_score:
                 warnings.warn(f"{type(self.engine).__name__} has no score(prompt_token_ids, continuation_ids) "
                               "method: weight syncs into it are not content-checked (train.verify_sync)",
-                              RuntimeWarning, stacklevel=2)
+                              RuntimeWarning, stacklevel=3)
                 self._warned_no_score = True
-            return math.nan
+            return None
         pid, pmask = left_pad(probe.prompt_token_ids, self.pad_id, bucket=8)
         t = max(len(c) for c in probe.continuation_ids)
         rid = np.full((len(probe.continuation_ids), t), self.pad_id, np.int32)
         for i, c in enumerate(probe.continuation_ids):
             rid[i, :len(c)] = c
         ref = np.asarray(self._logprobs(self.model, jnp.asarray(pid), jnp.asarray(pmask), jnp.asarray(rid), 1.0))
-        ref_rows = [ref[i, :len(c)] for i, c in enumerate(probe.continuation_ids)]
-        got = self.engine.score([list(p) for p in probe.prompt_token_ids],
-                                [list(c) for c in probe.continuation_ids])
-        err = verify.check_probe(got, ref_rows, tolerance=verify.probe_tolerance(cfg.rollout_precision,
-                                                                                 self.kv_cache_dtype),
-                                 version=self.step_count, vocab_size=self.model_config.vocab_size,
-                                 previous_logprobs=self._probe_previous)
+        sent = None
         if self.kv_cache_dtype == "fp8_e4m3":
             sent = np.stack([np.asarray(self.kv_scales.k_scale), np.asarray(self.kv_scales.v_scale)], 1)
-            verify.check_kv_scales(self.engine.served_kv_scales(), sent, self.step_count)
+        return [ref[i, :len(c)] for i, c in enumerate(probe.continuation_ids)], sent
+
+    def _check_engine_probe(self, reference, version: int) -> float:
+        """The engine's side: score the probe and compare with ``reference`` (:meth:`_probe_reference` of
+        ``version``). Returns the mean |difference|; raises StaleWeightsError (see :meth:`verify_sync`)."""
+        ref_rows, sent = reference
+        probe = self.sync_probe
+        got = self.engine.score([list(p) for p in probe.prompt_token_ids],
+                                [list(c) for c in probe.continuation_ids])
+        err = verify.check_probe(got, ref_rows, tolerance=verify.probe_tolerance(self.cfg.rollout_precision,
+                                                                                 self.kv_cache_dtype),
+                                 version=version, vocab_size=self.model_config.vocab_size,
+                                 previous_logprobs=self._probe_previous)
+        if sent is not None:
+            verify.check_kv_scales(self.engine.served_kv_scales(), sent, version)
         self._probe_previous = ref_rows
         return err
 
@@ -433,12 +484,16 @@ class RLTrainer:
         from fp8rl_jax.trainer.evaluation import evaluate
 
         t0 = time.perf_counter()
-        out = evaluate(self.engine, self.tokenizer, cfg.eval_dataset, cfg.eval_num_examples, n=cfg.eval_n,
-                       temperature=cfg.eval_temperature, max_tokens=cfg.eval_max_tokens or cfg.response_budget,
-                       top_p=cfg.top_p, top_k=cfg.top_k, batch_size=cfg.eval_batch_size,
-                       seed=cfg.seed * 1_000_003 + 7_777_777 + step)
+        with self._engine_lock:  # asynchronous mode: between the producer's requests, on the version it serves
+            version = self._engine_version
+            out = evaluate(self.engine, self.tokenizer, cfg.eval_dataset, cfg.eval_num_examples, n=cfg.eval_n,
+                           temperature=cfg.eval_temperature, max_tokens=cfg.eval_max_tokens or cfg.response_budget,
+                           top_p=cfg.top_p, top_k=cfg.top_k, batch_size=cfg.eval_batch_size,
+                           seed=cfg.seed * 1_000_003 + 7_777_777 + step)
         out = {k: float(v) for k, v in out.items()}
         out["timing/eval_s"] = time.perf_counter() - t0
+        if self.cfg.max_staleness > 0:
+            out["val/weights_version"] = float(version)
         return out
 
     def _build_train_step(self):
@@ -510,6 +565,10 @@ class RLTrainer:
     def step(self) -> dict[str, float]:
         """Run one RL step and return its metrics (floats, verl-style names).
 
+        The step's rollout comes from :meth:`next_rollout` (made now with ``train.max_staleness = 0``, else by the
+        background producer, :mod:`fp8rl_jax.trainer.pipeline`) and :meth:`train_on` trains on it, exports the new
+        version and syncs it (synchronously, or by publishing it to the producer).
+
         With ``train.filter_groups`` the rollout is DAPO dynamic sampling (several prompt batches per step until
         ``prompts_per_step`` groups with non-constant rewards are kept; ``dapo/num_gen_batches``,
         ``dapo/kept_groups_fraction``); ``train.overlong_buffer_len > 0`` adds DAPO's soft overlong penalty to
@@ -518,10 +577,88 @@ class RLTrainer:
 
         Raises:
           ValueError: dynamic sampling hit ``train.max_num_gen_batches`` without enough groups.
+          RolloutVersionError: a batch whose tokens carry a weights version the trainer never published, or an
+            engine that reports a version other than the one applied.
+          StaleWeightsError: a sync whose content check failed (raised by the producer in asynchronous mode).
+        """
+        t_step = time.perf_counter()
+        return self.train_on(self.next_rollout(), t_step)
+
+    # -- the rollout producer (fp8rl_jax.trainer.pipeline) ---------------------------------------------------
+    def next_rollout(self) -> RolloutJob:
+        """The rollout batch of step :attr:`step_count`: made now (``max_staleness = 0``) or the producer's.
+
+        Raises:
+          ValueError: an asynchronous resume from a checkpoint without the in-flight batches it needs.
+          the producer's error (see :meth:`step`).
+        """
+        if self.cfg.max_staleness == 0:
+            return self.produce_rollout(self.step_count)
+        if self._pipeline is None:
+            self._start_pipeline()
+        return self._pipeline.get(self.step_count)
+
+    def _start_pipeline(self) -> None:
+        """Start the background producer at the current step (after a restore: with the carried batches)."""
+        cfg, t = self.cfg, self.step_count
+        carried, self._carried_jobs = self._carried_jobs, {}
+        if cfg.async_schedule == "fixed" and t > 0:
+            need = set(range(t, min(t + cfg.max_staleness, cfg.num_steps)))
+            if set(carried) != need:
+                raise ValueError(
+                    f"resuming an asynchronous run (max_staleness={cfg.max_staleness}, async_schedule='fixed') at "
+                    f"step {t} needs the checkpoint's in-flight batches {sorted(need)}, it carries {sorted(carried)} "
+                    "(written by a run with another max_staleness or schedule): resume with those settings, or "
+                    "with async_schedule='latest' (in-flight batches regenerated from the checkpoint's version)")
+        if cfg.mismatch_split:
+            self._keep_version_params(t)
+        state = self.batches.state_dict() if hasattr(self.batches, "state_dict") else None
+        self._pipeline = RolloutPipeline(self._produce_locked, self._apply_published, max_staleness=cfg.max_staleness,
+                                         schedule=cfg.async_schedule, start_step=t, end_step=cfg.num_steps,
+                                         engine_version=self._engine_version, carried=carried, data_state=state)
+
+    def close_pipeline(self) -> None:
+        """Stop the background producer, if one runs (after its current request); idempotent."""
+        if self._pipeline is not None:
+            self._pipeline.close()
+            self._pipeline = None
+
+    def _produce_locked(self, step: int, hooks: RolloutPipeline) -> RolloutJob:
+        with self._engine_lock:
+            return self.produce_rollout(step, hooks)
+
+    def _apply_published(self, version: int, payload) -> tuple[float, float]:
+        """Producer side of an asynchronous sync: install ``version`` in the engine and content-check it.
+
+        Returns ``(sync_s, verify_s)``. Raises StaleWeightsError (a failed probe) or the engine's error; the
+        engine then keeps its last complete version and the producer stops.
+        """
+        weights, probe = payload
+        with self._engine_lock:
+            t0 = time.perf_counter()
+            self.engine.update_weights(weights)
+            jax.block_until_ready(jax.tree.leaves(getattr(self.engine, "state", None) or [0]))
+            sync_s = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            self._engine_version = int(version)
+            self._async_probe_diff = math.nan if probe is None else self._check_engine_probe(probe, int(version))
+            return sync_s, time.perf_counter() - t0
+
+    def produce_rollout(self, step: int, hooks: RolloutPipeline | None = None) -> RolloutJob:
+        """Make step ``step``'s rollout batch with the engine as it stands: generate, score, tag token versions.
+
+        Args:
+          step: the RL step the batch is for (keys the sampling seed, as in a synchronous run).
+          hooks: the producer's pipeline (asynchronous mode), None when the trainer makes it itself.
+
+        Returns:
+          a :class:`~fp8rl_jax.trainer.pipeline.RolloutJob`.
+
+        Raises:
+          RolloutVersionError: the engine reports another version than the one applied.
+          ValueError: DAPO dynamic sampling found too few groups.
         """
         cfg = self.cfg
-        t_step = time.perf_counter()
-        # rollout -> reward (+ DAPO overlong penalty) -> [DAPO dynamic sampling] -> advantages
         timers = {"rollout": 0.0, "reward": 0.0}
         gen_batches = [0]
 
@@ -531,10 +668,10 @@ class RLTrainer:
             # gen batch k of a step draws its own noise; k = 0 keeps the (seed, step) stream of a plain step
             sp = SamplingParams(n=cfg.samples_per_prompt, temperature=cfg.temperature, top_p=cfg.top_p,
                                 top_k=cfg.top_k, max_tokens=cfg.response_budget,
-                                seed=cfg.seed * 1_000_003 + self.step_count + 104_729 * gen_batches[0])
+                                seed=cfg.seed * 1_000_003 + step + 104_729 * gen_batches[0])
             gen_batches[0] += 1
             t0 = time.perf_counter()
-            rb = self._generate_rollout(prompts, sp)
+            rb = self._generate_versioned(prompts, sp, hooks)
             timers["rollout"] += time.perf_counter() - t0
             t0 = time.perf_counter()
             texts = [self.tokenizer.decode([int(t) for t, m in zip(row, mrow) if m > 0])
@@ -564,6 +701,79 @@ class RLTrainer:
                 t0 = time.perf_counter()
                 move_optimizer_state(self.optimizer, "device")
                 t_offload += time.perf_counter() - t0
+        extra = {"timing/offload_s": t_offload, "memory/optimizer_offloaded_gb": offloaded / 2**30} \
+            if cfg.offload_optimizer else {}
+        return RolloutJob(step, sb, dapo_metrics, sb.rollout.token_versions, rollout_s=timers["rollout"],
+                          reward_s=timers["reward"], gen_batches=gen_batches[0], extra_metrics=extra,
+                          probe_abs_diff=self._async_probe_diff if hooks is not None else math.nan,
+                          data_state_after=self.batches.state_dict() if hasattr(self.batches, "state_dict") else None)
+
+    def _check_reported_version(self, rb, version: int) -> None:
+        """RolloutVersionError unless an engine that keeps ``weights_version`` reports ``version`` for ``rb``."""
+        if hasattr(self.engine, "weights_version") and int(rb.weights_version) != int(version):
+            raise RolloutVersionError(
+                f"the rollout engine ({type(self.engine).__name__}) reports weights version {rb.weights_version} for a "
+                f"batch it generated after the trainer applied version {version}: the trainer cannot name the policy "
+                "that sampled it and refuses to train on it (a sync that did not land, or an engine that mislabels)")
+
+    def _generate_versioned(self, prompts: list, sp: SamplingParams, hooks: RolloutPipeline | None):
+        """:meth:`_generate_rollout` with ``token_versions`` filled; chunked with ``train.partial_rollout``."""
+        version = hooks.current_version() if hooks is not None else self._engine_version
+        if hooks is None or not self.cfg.partial_rollout:
+            rb = self._generate_rollout(prompts, sp)
+            self._check_reported_version(rb, version)
+            rb.token_versions = np.where(np.asarray(rb.response_mask) > 0, version, -1).astype(np.int32)
+            return rb
+        # partial rollout: chunks of partial_rollout_tokens; a newer version is applied between chunks and the
+        # unfinished rows continue from prompt + their tokens so far under it (all of them have the same length)
+        chunk, budget = self.cfg.partial_rollout_tokens, sp.max_tokens
+        first = self._generate_rollout(prompts, dataclasses.replace(sp, max_tokens=min(chunk, budget)))
+        self._check_reported_version(first, version)
+        n_rows, width = len(first.prompt_token_ids), first.response_token_ids.shape[1]
+        ids = np.full((n_rows, budget), self.pad_id, np.int32)
+        lp, mask = np.zeros((n_rows, budget), np.float32), np.zeros((n_rows, budget), np.float32)
+        ver = np.full((n_rows, budget), -1, np.int32)
+        ids[:, :width], lp[:, :width] = first.response_token_ids, first.rollout_logprobs
+        mask[:, :width] = first.response_mask
+        ver[:, :width] = np.where(np.asarray(first.response_mask) > 0, version, -1)
+        finish, done, c, newest = list(first.finish_reason), width, 1, version
+        while done < budget:
+            live = [r for r in range(n_rows) if finish[r] == "length"]
+            if not live:
+                break
+            version = hooks.between_chunks()
+            newest = max(newest, version)
+            take = min(chunk, budget - done)
+            cont = [list(first.prompt_token_ids[r]) + [int(t) for t in ids[r, :done]] for r in live]
+            rb = self._generate_rollout(cont, dataclasses.replace(
+                sp, n=1, max_tokens=take, seed=None if sp.seed is None else sp.seed + 7_919 * c))
+            self._check_reported_version(rb, version)
+            rows = np.asarray(live)
+            ids[rows, done:done + take], lp[rows, done:done + take] = rb.response_token_ids, rb.rollout_logprobs
+            mask[rows, done:done + take] = rb.response_mask
+            ver[rows, done:done + take] = np.where(np.asarray(rb.response_mask) > 0, version, -1)
+            for j, r in enumerate(live):
+                finish[r] = rb.finish_reason[j]
+            done, c = done + take, c + 1
+        return RolloutBatch(first.prompt_token_ids, ids, lp, mask, finish, first.prompt_index, weights_version=newest,
+                            token_versions=ver)
+
+    # -- the trainer (consumer) ----------------------------------------------------------------------------
+    def train_on(self, job: RolloutJob, t_step: float | None = None) -> dict[str, float]:
+        """Train step :attr:`step_count` on ``job`` (made for this step), then export and sync the new version.
+
+        Every response token's version must be one the trainer published (``0..step_count``), else
+        RolloutVersionError; rows with a token older than ``train.max_staleness`` versions are dropped from the loss
+        and counted (``async/dropped_fraction``; the producer's schedule never makes one).
+
+        Returns:
+          the step's metrics (see :meth:`step`).
+        """
+        cfg = self.cfg
+        t_step = time.perf_counter() if t_step is None else t_step
+        if job.step != self.step_count:
+            raise RolloutVersionError(f"rollout batch for step {job.step} handed to step {self.step_count}")
+        sb, dapo_metrics = job.scored, dict(job.dapo_metrics)
         rb, texts = sb.rollout, sb.texts
         rewards = sb.rewards.astype(np.float32)
         if cfg.overlong_buffer_len > 0:
@@ -574,9 +784,10 @@ class RLTrainer:
         if cfg.overlong_filter:  # truncated responses get no loss (DAPO overlong filtering)
             response_mask = dapo.overlong_filter_mask(rb.response_mask, rb.finish_reason)
             dapo_metrics["dapo/overlong_filtered_fraction"] = clip_ratio
+        response_mask, async_metrics = self._staleness_mask(job, response_mask)
         t0 = time.perf_counter()
         advantages = _ADVANTAGES[cfg.advantage_estimator](jnp.asarray(rewards), cfg.samples_per_prompt)
-        t_rollout, t_reward = timers["rollout"], timers["reward"] + time.perf_counter() - t0
+        t_rollout, t_reward = job.rollout_s, job.reward_s + time.perf_counter() - t0
 
         t0 = time.perf_counter()
         pid, pmask = left_pad(rb.prompt_token_ids, self.pad_id, bucket=8)
@@ -592,6 +803,8 @@ class RLTrainer:
                                                    batch["response_ids"], cfg.temperature,
                                                    batch.get("rollout_routing") if cfg.routing_replay else None)
         t_old = time.perf_counter() - t0
+        if cfg.mismatch_split and cfg.max_staleness > 0:  # the trainer's policy at each sampling version, pre-update
+            async_metrics.update(self._mismatch_split(job, batch))
 
         t0 = time.perf_counter()
         n_rows = len(rewards)
@@ -612,16 +825,42 @@ class RLTrainer:
             batch["old_logprobs"] = to_host(batch["old_logprobs"])
         t_train = time.perf_counter() - t0
         corr = objectives.rollout_corr_metrics(batch["old_logprobs"], batch["rollout_logprobs"], batch["response_mask"])
-        self.check_mismatch({k: float(v) for k, v in corr.items()})
+        if cfg.max_staleness == 0:
+            self.check_mismatch({k: float(v) for k, v in corr.items()})
+        else:
+            async_metrics.update(self._lag_k3(job, batch))
+            # the precision bound applies to the precision part of the mismatch, not to the policy lag
+            k3 = async_metrics.get("async/k3_precision", async_metrics.get("async/k3_kl/lag0"))
+            if k3 is not None:
+                self.check_mismatch({"rollout_corr/k3_kl": k3})
 
         self.step_count += 1
         t0 = time.perf_counter()
-        self.engine.update_weights(self.export(**_sync_options(self.engine)))
-        jax.block_until_ready(jax.tree.leaves(getattr(self.engine, "state", None) or [0]))
-        t_sync = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        self.last_probe_diff = self._verify_after_sync()
-        t_verify = time.perf_counter() - t0
+        weights = self.export(**_sync_options(self.engine))
+        if cfg.max_staleness == 0:
+            self.engine.update_weights(weights)
+            self._engine_version = int(weights.version)
+            jax.block_until_ready(jax.tree.leaves(getattr(self.engine, "state", None) or [0]))
+            t_sync = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            self.last_probe_diff = self._verify_after_sync()
+            t_verify = time.perf_counter() - t0
+        else:
+            if weights.format == "float32":  # a float32 export may alias the params the next update donates
+                weights.tensors = {k: jnp.copy(v) for k, v in weights.tensors.items()}
+            jax.block_until_ready(list(weights.tensors.values()))
+            async_metrics["timing/export_s"] = time.perf_counter() - t0
+            probe = None
+            if cfg.verify_sync == "every_step":
+                probe = self._probe_reference()
+            if cfg.mismatch_split:
+                self._keep_version_params(self.step_count)
+            self._pipeline.publish(self.step_count, (weights, probe))
+            t_sync, t_verify, self.last_probe_diff = job.sync_s, job.verify_s, job.probe_abs_diff
+            async_metrics.update({"timing/rollout_wait_s": job.wait_s,
+                                  "timing/trainer_wait_s": self._pipeline.trainer_wait_s - self._wait_seen})
+            self._wait_seen = self._pipeline.trainer_wait_s
+        del weights
 
         lengths = rb.response_mask.sum(-1)
         out: dict[str, float] = {
@@ -640,13 +879,87 @@ class RLTrainer:
                     "timing/train_s": t_train, "timing/sync_s": t_sync, "timing/verify_sync_s": t_verify,
                     "sync/probe_abs_diff": self.last_probe_diff,
                     "timing/step_s": time.perf_counter() - t_step})
+        out.update(async_metrics)
         moved = getattr(self.engine, "last_sync", None)  # a bridge engine's transport stats (rollout_bridge)
         if moved is not None and moved.seconds > 0:
             out.update({"sync/payload_gb": moved.nbytes / 1e9, "sync/gb_per_s": moved.gb_per_s})
-        if cfg.offload_optimizer:
-            out.update({"timing/offload_s": t_offload, "memory/optimizer_offloaded_gb": offloaded / 2**30})
+        out.update(job.extra_metrics)
         self.last_texts = texts
         return out
+
+    def _staleness_mask(self, job: RolloutJob, response_mask):
+        """Check the batch's token versions against the trainer's (step :attr:`step_count`); drop rows older than
+        ``train.max_staleness``. Returns ``(response_mask, metrics)`` (metrics only in asynchronous mode).
+
+        Raises:
+          RolloutVersionError: no token versions, or a version the trainer never published.
+        """
+        cfg, t = self.cfg, self.step_count
+        if job.token_versions is None:
+            raise RolloutVersionError(f"step {t}: the rollout batch carries no token versions: the trainer cannot "
+                                      "name the policy that sampled it")
+        tv = np.asarray(job.token_versions)
+        live = np.asarray(response_mask) > 0
+        unknown = live & ((tv < 0) | (tv > t))
+        if unknown.any():
+            raise RolloutVersionError(
+                f"step {t}: {int(unknown.sum())} response tokens carry weights version(s) "
+                f"{sorted(set(tv[unknown].tolist()))[:5]} the trainer never published (it has published 0..{t}): "
+                "refusing to train on tokens whose policy it cannot name")
+        if cfg.max_staleness == 0:
+            return response_mask, {}
+        metrics = staleness_metrics(np.where(live, tv, -1), t, cfg.max_staleness)
+        dropped = (live & (t - tv > cfg.max_staleness)).any(-1)
+        metrics["async/dropped_fraction"] = float(dropped.mean())
+        if dropped.any():
+            response_mask = np.asarray(response_mask) * (~dropped)[:, None]
+        return response_mask, metrics
+
+    def _lag_k3(self, job: RolloutJob, batch: dict) -> dict[str, float]:
+        """``async/k3_kl/lag{j}``: ``rollout_corr/k3_kl`` over the tokens sampled ``j`` versions ago."""
+        tv = np.asarray(job.token_versions)
+        mask = np.asarray(batch["response_mask"]) > 0
+        out = {}
+        for j in range(self.cfg.max_staleness + 1):
+            mj = mask & (tv == self.step_count - j)
+            if mj.any():
+                m = objectives.rollout_corr_metrics(batch["old_logprobs"], batch["rollout_logprobs"],
+                                                    jnp.asarray(mj, jnp.float32))
+                out[f"async/k3_kl/lag{j}"] = float(m["rollout_corr/k3_kl"])
+        return out
+
+    def _keep_version_params(self, version: int) -> None:
+        """``train.mismatch_split``: a copy of the current params, kept while batches of ``version`` may train."""
+        self._version_params[int(version)] = jax.tree.map(jnp.copy, nnx.state(self.model, nnx.Param))
+        for v in [v for v in self._version_params if v < version - self.cfg.max_staleness]:
+            del self._version_params[v]
+
+    def _mismatch_split(self, job: RolloutJob, batch: dict) -> dict[str, float]:
+        """``async/k3_precision`` (trainer at each token's sampling version vs the engine's logprobs) and
+        ``async/k3_policy_lag`` (trainer now vs at the sampling version), the two parts of the mismatch."""
+        cfg = self.cfg
+        tv = np.asarray(job.token_versions)
+        mask = np.asarray(batch["response_mask"]) > 0
+        now = self._logprobs(self.model, batch["prompt_ids"], batch["prompt_mask"], batch["response_ids"],
+                             cfg.temperature, batch.get("rollout_routing") if cfg.routing_replay else None)
+        then = np.array(now)
+        if self._shadow_model is None:
+            self._shadow_model = nnx.clone(self.model)
+        for v in sorted(set(tv[mask].tolist())):
+            if v == self.step_count:
+                continue
+            if v not in self._version_params:
+                raise RolloutVersionError(f"train.mismatch_split: no params kept for version {v}")
+            nnx.update(self._shadow_model, self._version_params[v])
+            lp = np.asarray(self._logprobs(self._shadow_model, batch["prompt_ids"], batch["prompt_mask"],
+                                           batch["response_ids"], cfg.temperature,
+                                           batch.get("rollout_routing") if cfg.routing_replay else None))
+            then = np.where(tv == v, lp, then)
+        m = jnp.asarray(mask, jnp.float32)
+        prec = objectives.rollout_corr_metrics(jnp.asarray(then), batch["rollout_logprobs"], m)
+        lag = objectives.rollout_corr_metrics(now, jnp.asarray(then), m)
+        return {"async/k3_precision": float(prec["rollout_corr/k3_kl"]),
+                "async/k3_policy_lag": float(lag["rollout_corr/k3_kl"])}
 
 
 def _response_logprobs_uncaptured(model, prompt_ids, prompt_mask, response_ids, temperature, routed_experts=None):
@@ -770,6 +1083,7 @@ def train(config: TrainConfig | None = None, *, trainer: RLTrainer | None = None
                 bar.set_postfix(reward=f"{m['reward/mean']:.3f}", k3=f"{m.get('rollout_corr/k3_kl', float('nan')):.2e}",
                                 s=f"{m['timing/step_s']:.1f}")
     finally:
+        trainer.close_pipeline()
         if bar is not None:
             bar.close()
         logger.close()
