@@ -95,15 +95,35 @@ class RolloutWorker(WeightReceiverMixin):
             self.engine.update_weights(weights)
 
     # -- rollout ---------------------------------------------------------------------------------------------
-    def generate(self, prompt_token_ids, sampling_params, expected_version: int | None = None):
+    def generate(self, prompt_token_ids, sampling_params, expected_version: int | None = None, row_offset: int = 0):
         """``RolloutEngine.generate`` of the wrapped engine; refuses while the last sync is incomplete.
+
+        ``row_offset`` (the embedded engine): index of this call's first row in the whole batch, so that chunks on
+        different actors draw independent sampling noise (see ``JaxRolloutEngine.generate``).
 
         Raises:
           WeightSyncError: no complete sync yet (or the last one failed part way).
         """
         if self.engine is None or self._fp8rl_version < 0:
             raise WeightSyncError(f"{self.name}: no consistent weights (version {self._fp8rl_version}); sync first")
+        if self.kind == "jax":
+            return self.engine.generate(prompt_token_ids, sampling_params, expected_version=expected_version,
+                                        row_offset=int(row_offset))
         return self.engine.generate(prompt_token_ids, sampling_params, expected_version=expected_version)
+
+    def score(self, prompt_token_ids, continuation_ids):
+        """``score`` of the wrapped engine (the trainer's sync content probe): per-row float32 logprobs.
+
+        Raises:
+          WeightSyncError: no complete sync yet (or the last one failed part way).
+        """
+        if self.engine is None or self._fp8rl_version < 0:
+            raise WeightSyncError(f"{self.name}: no consistent weights (version {self._fp8rl_version}); sync first")
+        return [np.asarray(r, np.float32) for r in self.engine.score(prompt_token_ids, continuation_ids)]
+
+    def served_kv_scales(self):
+        """The k/v scales the engine serves (``[L, 2]`` float32) or None (see the engines' ``served_kv_scales``)."""
+        return self.engine.served_kv_scales() if self.engine is not None else None
 
     def weights_digest(self) -> dict[str, float]:
         """Fingerprint of the weights the engine holds (HF names, float64 sums); for checks."""
@@ -182,6 +202,7 @@ class RayRolloutClient:
             self.transport = TorchDistributedTransport(host or ray.util.get_node_ip_address(), backend=backend,
                                                        bucket_bytes=bb, timeout_s=sync_timeout_s)
         self.weight_target, self.sync_timeout_s, self.generate_timeout_s = weight_target, sync_timeout_s, generate_timeout_s
+        self.dead: set[int] = set()  # actors lost during generate: their prompts went to the others
         self.weights_version = -1
         self._signature = None
         self.last_sync = None
@@ -198,16 +219,67 @@ class RayRolloutClient:
         self._signature = check_same_signature(self._signature, weights.tensors)
         torch_tensors, kv = torch_sync_tensors(weights, self.weight_target)
         self.weights_version = -1
-        self.last_sync = self.transport.send(torch_tensors, kv, int(weights.version), self.receivers,
-                                             self.sync_timeout_s)
+        self._drop_dead_actors()
+        live = [r for i, r in enumerate(self.receivers) if i not in self.dead]
+        if not live:
+            raise WeightSyncError(f"every rollout actor has died ({', '.join(f'rollout actor {i}' for i in sorted(self.dead))}"
+                                  "): nothing to sync to")
+        self.last_sync = self.transport.send(torch_tensors, kv, int(weights.version), live, self.sync_timeout_s)
         self.weights_version = int(weights.version)
+
+    def _drop_dead_actors(self) -> None:
+        """Ping the live actors; one that is gone (``RayActorError``) is dropped for good (its prompts go to the
+        others). An actor that dies during the sync itself still fails that sync loudly."""
+        import ray
+
+        for i in self._live():
+            try:
+                ray.get(self.actors[i].fp8rl_weights_version.remote(), timeout=self.sync_timeout_s)
+            except ray.exceptions.RayActorError:
+                self.dead.add(i)
+
+    def _live(self) -> list[int]:
+        return [i for i in range(len(self.actors)) if i not in self.dead]
+
+    def score(self, prompt_token_ids, continuation_ids) -> list[np.ndarray]:
+        """The content probe on every live actor (``RolloutEngine.score`` semantics); actor results must agree.
+
+        Returns:
+          the first live actor's per-row float32 logprobs.
+
+        Raises:
+          WeightSyncError: no consistent weights, or an actor whose logprobs differ from the others' (named: it
+            serves other weights).
+        """
+        import ray
+
+        if self.weights_version < 0:
+            raise WeightSyncError("rollout actors have no consistent weights: the last sync failed or none ran")
+        live = self._live()
+        outs = ray.get([self.actors[i].score.remote(prompt_token_ids, continuation_ids) for i in live],
+                       timeout=self.generate_timeout_s)
+        for i, out in zip(live[1:], outs[1:]):
+            worst = max(float(np.max(np.abs(a - b), initial=0.0)) for a, b in zip(outs[0], out))
+            if worst > 1e-5:
+                raise WeightSyncError(f"rollout actor {i} scores the sync probe {worst:.3g} nats away from actor "
+                                      f"{live[0]}: the actors serve different weights")
+        return outs[0]
+
+    def served_kv_scales(self):
+        """The first live actor's served k/v scales (``[L, 2]`` float32) or None."""
+        import ray
+
+        return ray.get(self.actors[self._live()[0]].served_kv_scales.remote(), timeout=self.sync_timeout_s)
 
     def generate(self, prompt_token_ids, sampling_params, expected_version: int | None = None):
         """Split prompts over the actors (contiguous chunks), generate, and concatenate the batches.
 
+        An actor that dies (``RayActorError``) is dropped from this client for good and its prompts are generated by
+        a live actor (same sampling seed, so the batch is the one it would have made); later syncs skip it.
+
         Raises:
           WeightSyncError: the last sync failed (no actor generates from inconsistent weights).
-          RuntimeError: an actor failed or timed out (named).
+          RuntimeError: an actor failed or timed out (named), or every actor has died.
         """
         import ray
 
@@ -216,13 +288,35 @@ class RayRolloutClient:
         if self.weights_version < 0:
             raise WeightSyncError("rollout actors have no consistent weights: the last sync failed or none ran")
         prompts = [list(p) for p in prompt_token_ids]
-        chunks = np.array_split(np.arange(len(prompts)), min(len(self.actors), len(prompts)))
-        refs = [a.generate.remote([prompts[i] for i in idx], sampling_params, expected_version)
-                for a, idx in zip(self.actors, chunks)]
-        try:
-            parts = ray.get(refs, timeout=self.generate_timeout_s)
-        except Exception as e:  # noqa: BLE001
-            raise RuntimeError(f"rollout actor failed during generate: {type(e).__name__}: {e}") from e
+        live = self._live()
+        if not live:
+            raise RuntimeError("every rollout actor has died")
+        chunks = np.array_split(np.arange(len(prompts)), min(len(live), len(prompts)))
+        parts = [None] * len(chunks)
+        owner = {c: live[c] for c in range(len(chunks))}
+        n = sampling_params.n
+
+        def submit(c):
+            idx = chunks[c]
+            return self.actors[owner[c]].generate.remote([prompts[i] for i in idx], sampling_params, expected_version,
+                                                         int(idx[0]) * n if len(idx) else 0)
+
+        pending = {c: submit(c) for c in range(len(chunks))}
+        while pending:
+            c, ref = next(iter(pending.items()))
+            try:
+                parts[c] = ray.get(ref, timeout=self.generate_timeout_s)
+                del pending[c]
+            except ray.exceptions.RayActorError as e:  # the actor died: its prompts go to a live one
+                self.dead.add(owner[c])
+                live = self._live()
+                if not live:
+                    raise RuntimeError(f"every rollout actor has died (the last: rollout actor {owner[c]}: "
+                                       f"{type(e).__name__})") from e
+                owner[c] = live[c % len(live)]
+                pending[c] = submit(c)
+            except Exception as e:  # noqa: BLE001
+                raise RuntimeError(f"rollout actor {owner[c]} failed during generate: {type(e).__name__}: {e}") from e
         offsets = np.cumsum([0] + [len(c) for c in chunks])
         return RolloutBatch(
             prompt_token_ids=[p for b in parts for p in b.prompt_token_ids],
@@ -263,12 +357,15 @@ class TrainerActor:
         self.client = RayRolloutClient(actors, transport, weight_target, **(client_kwargs or {}))
         self.trainer = RLTrainer(config, engine=self.client)  # the first sync happens here
 
-    def train(self, num_steps: int | None = None) -> list[dict[str, float]]:
-        """Run :func:`fp8rl_jax.trainer.loop.train` (``num_steps`` overrides the config's)."""
+    def train(self, num_steps: int | None = None, output_dir: str | None = None) -> list[dict[str, float]]:
+        """Run :func:`fp8rl_jax.trainer.loop.train` (``num_steps`` / ``output_dir`` override the config's; a second
+        call continues this trainer from its current step, into a new ``output_dir``)."""
         from fp8rl_jax.trainer.loop import train
 
         if num_steps is not None:
             self.trainer.cfg = dataclasses.replace(self.trainer.cfg, num_steps=int(num_steps))
+        if output_dir is not None:
+            self.trainer.cfg = dataclasses.replace(self.trainer.cfg, output_dir=str(output_dir))
         return train(self.trainer.cfg, trainer=self.trainer)
 
     def sync(self) -> float:

@@ -35,22 +35,24 @@ def test_trainer_and_rollout_actor_two_steps(tiny_dir, tmp_path, tmp_path_factor
     for k in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH", "RAY_ADDRESS"):
         monkeypatch.delenv(k, raising=False)
     temp_dir = str(tmp_path_factory.mktemp("r"))  # short: Ray's unix socket paths must stay < 108 bytes
+    # asynchronous (max_staleness=1): the trainer's producer thread drives two rollout actors while it trains
     cfg = TrainConfig(output_dir=str(tmp_path / "run"), model=tiny_dir, num_steps=2, prompts_per_step=2,
                       samples_per_prompt=2, max_tokens=4, rollout_precision="fp8", learning_rate=1e-2,
-                      checkpoint_every=0, plots=False, progress_bar=False)
+                      checkpoint_every=0, plots=False, progress_bar=False, max_staleness=1)
     import glob
 
     segments_before = set(glob.glob("/dev/shm/fp8rl_*"))
     try:
-        job = start(cfg, num_rollout_actors=1, rollout_engine="jax", transport="shm",
+        job = start(cfg, num_rollout_actors=2, rollout_engine="jax", transport="shm", cpus_per_actor=0.5,
                     ray_init_kwargs=dict(num_cpus=2, _temp_dir=temp_dir, include_dashboard=False))
         assert os.environ["RAY_AUTH_TOKEN_PATH"].startswith(temp_dir)
         assert (os.stat(os.environ["RAY_AUTH_TOKEN_PATH"]).st_mode & 0o777) == 0o600
         history = ray.get(job.trainer.train.remote(2), timeout=600)
         assert [m["step"] for m in history] == [1, 2]
         for m in history:
-            assert np.isfinite(m["actor/loss"]) and m["timing/sync_s"] > 0
+            assert np.isfinite(m["actor/loss"]) and m["timing/export_s"] > 0
             assert m["sync/gb_per_s"] > 0 and m["sync/payload_gb"] > 0  # the achieved bandwidth, logged per step
+        assert [m["async/staleness_max"] for m in history] == [0, 1]  # batch 1 was sampled by version 0
         stats = ray.get(job.trainer.sync_stats.remote())
         assert stats["transport"] == "shm" and stats["nbytes"] == round(history[-1]["sync/payload_gb"] * 1e9)
         assert stats["gb_per_s"] == stats["nbytes"] / stats["seconds"] / 1e9
@@ -61,11 +63,20 @@ def test_trainer_and_rollout_actor_two_steps(tiny_dir, tmp_path, tmp_path_factor
         np.testing.assert_allclose([got[k] for k in sorted(want)], [want[k] for k in sorted(want)], rtol=1e-6)
         assert ray.get(job.rollout[0].fp8rl_weights_version.remote()) == 2
 
-        # a rollout actor dies: the next sync fails loudly, the trainer and its state survive
+        # rollout actor 1 dies: its prompts go to actor 0 and training goes on (later syncs skip it)
+        ray.kill(job.rollout[1])
+        more = ray.get(job.trainer.train.remote(3, str(tmp_path / "run_more")), timeout=600)
+        assert [m["step"] for m in more][-1] == 3 and np.isfinite(more[-1]["actor/loss"])
+        # step 3 trains on batch 2, sampled by version 1: installed by the producer on the live actor while the
+        # trainer trained, and content-checked there (RayRolloutClient.score: a Ray run is verified like a local one)
+        assert more[-1]["timing/sync_s"] > 0 and np.isfinite(more[-1]["sync/probe_abs_diff"])
+        assert more[-1]["async/staleness_max"] == 1
+        want = ray.get(job.trainer.export_digest.remote())
+        # the last actor dies: the next sync fails loudly, the trainer and its state survive
         ray.kill(job.rollout[0])
         with pytest.raises(Exception, match="WeightSyncError.*rollout actor 0"):
             ray.get(job.trainer.sync.remote(), timeout=120)
-        assert ray.get(job.trainer.step_count.remote()) == 2
+        assert ray.get(job.trainer.step_count.remote()) == 3
         assert ray.get(job.trainer.export_digest.remote()) == want
         job.shutdown()
         assert set(glob.glob("/dev/shm/fp8rl_*")) == segments_before  # the trainer's segments were unlinked

@@ -48,7 +48,7 @@ from fp8rl_jax.trainer import dapo
 from fp8rl_jax.trainer.config import TrainConfig
 from fp8rl_jax.trainer.model_setup import configure_train_model
 from fp8rl_jax.trainer.pipeline import (RolloutJob, RolloutPipeline, RolloutVersionError, jobs_from_json,
-                                        jobs_to_json, staleness_metrics)
+                                        jobs_to_json, scheduled_version, staleness_metrics)
 from fp8rl_jax.trainer.distributed import gather_rollout, process_prompt_slice, to_host
 from fp8rl_jax.trainer.precision import (LossScaleConfig, LossScaleState, compute_dtype,
                                          init_loss_scale, wrap_optimizer)
@@ -101,6 +101,7 @@ class RLTrainer:
         self._pipeline: RolloutPipeline | None = None
         self._engine_lock = threading.RLock()
         self._carried_jobs: dict[int, RolloutJob] = {}
+        self._unapplied: dict[int, Any] = {}
         self._version_params: dict[int, Any] = {}
         self._shadow_model = None
         self._async_probe_diff = math.nan
@@ -279,7 +280,7 @@ class RLTrainer:
             raise ValueError(f"checkpoint step {self.step_count} was written by an asynchronous run (max_staleness="
                              f"{meta.get('max_staleness')}) and carries in-flight batches "
                              f"{sorted(self._carried_jobs)}: resume it with the same train.max_staleness")
-        self._version_params = {}
+        self._version_params, self._unapplied = {}, {}
         self.engine.update_weights(self.export(**_sync_options(self.engine)))
         self._engine_version = self.step_count
         self._async_probe_diff = self._verify_after_sync()  # the check of the version the producer starts from
@@ -602,26 +603,62 @@ class RLTrainer:
         """Start the background producer at the current step (after a restore: with the carried batches)."""
         cfg, t = self.cfg, self.step_count
         carried, self._carried_jobs = self._carried_jobs, {}
-        if cfg.async_schedule == "fixed" and t > 0:
-            need = set(range(t, min(t + cfg.max_staleness, cfg.num_steps)))
-            if set(carried) != need:
+        if cfg.async_schedule == "fixed":  # each batch not carried must be sampled by a version that still exists
+            need = [s for s in range(t, min(t + cfg.max_staleness, cfg.num_steps)) if s not in carried]
+            have = {self._engine_version, t, *self._unapplied}
+            lost = [s for s in need if scheduled_version(s, cfg.max_staleness) not in have]
+            if lost:
                 raise ValueError(
-                    f"resuming an asynchronous run (max_staleness={cfg.max_staleness}, async_schedule='fixed') at "
-                    f"step {t} needs the checkpoint's in-flight batches {sorted(need)}, it carries {sorted(carried)} "
-                    "(written by a run with another max_staleness or schedule): resume with those settings, or "
-                    "with async_schedule='latest' (in-flight batches regenerated from the checkpoint's version)")
+                    f"continuing an asynchronous run (max_staleness={cfg.max_staleness}, async_schedule='fixed') at "
+                    f"step {t} needs batches {lost} sampled by weights versions "
+                    f"{[scheduled_version(s, cfg.max_staleness) for s in lost]} that are no longer held (engine: "
+                    f"version {self._engine_version}, trainer: version {t}, carried batches: {sorted(carried)}; a "
+                    "checkpoint written with another max_staleness or schedule, or a finished train() continued with "
+                    "max_staleness > 1): resume with the settings that wrote the checkpoint, or use "
+                    "async_schedule='latest' (in-flight batches regenerated from the current version)")
         if cfg.mismatch_split:
             self._keep_version_params(t)
         state = self.batches.state_dict() if hasattr(self.batches, "state_dict") else None
+        # versions published to an earlier (closed) producer and not installed yet go to this one
+        published, self._unapplied = dict(self._unapplied), {}
+        if self._engine_version != t and t not in published:
+            published[t] = (self._async_export(), self._probe_reference() if cfg.verify_sync == "every_step" else None)
         self._pipeline = RolloutPipeline(self._produce_locked, self._apply_published, max_staleness=cfg.max_staleness,
                                          schedule=cfg.async_schedule, start_step=t, end_step=cfg.num_steps,
-                                         engine_version=self._engine_version, carried=carried, data_state=state)
+                                         engine_version=self._engine_version, carried=carried, data_state=state,
+                                         published=published)
 
-    def close_pipeline(self) -> None:
-        """Stop the background producer, if one runs (after its current request); idempotent."""
+    def _async_export(self, weights=None):
+        """:meth:`export` (or ``weights``) made safe to hold while the next update runs: a float32 export may alias
+        the params the update donates, so it is copied; ready on return."""
+        weights = self.export(**_sync_options(self.engine)) if weights is None else weights
+        if weights.format == "float32":
+            weights.tensors = {k: jnp.copy(v) for k, v in weights.tensors.items()}
+        jax.block_until_ready(list(weights.tensors.values()))
+        return weights
+
+    def close_pipeline(self, install_latest: bool = False) -> None:
+        """Stop the background producer, if one runs (after its current request); idempotent. Its finished batches
+        and the versions it had not installed are kept for a later :meth:`step` (``train()`` called again on this
+        trainer continues exactly).
+
+        Args:
+          install_latest: then sync the trainer's current version into the engine (and content-check it), so that
+            the engine serves the final policy (``train()`` does this after the last step, before the last eval).
+        """
         if self._pipeline is not None:
             self._pipeline.close()
+            self._carried_jobs = dict(self._pipeline.jobs)
+            self._unapplied = {**self._unapplied, **self._pipeline.published}  # published, never installed
             self._pipeline = None
+        if install_latest and self.cfg.max_staleness > 0 and self._engine_version != self.step_count:
+            payload = self._unapplied.get(self.step_count)
+            if payload is None:
+                payload = (self._async_export(), self._probe_reference() if self.cfg.verify_sync == "every_step"
+                           else None)
+                self._unapplied[self.step_count] = payload
+            self._apply_published(self.step_count, payload)
+            self.last_probe_diff = self._async_probe_diff
 
     def _produce_locked(self, step: int, hooks: RolloutPipeline) -> RolloutJob:
         with self._engine_lock:
@@ -846,9 +883,7 @@ class RLTrainer:
             self.last_probe_diff = self._verify_after_sync()
             t_verify = time.perf_counter() - t0
         else:
-            if weights.format == "float32":  # a float32 export may alias the params the next update donates
-                weights.tensors = {k: jnp.copy(v) for k, v in weights.tensors.items()}
-            jax.block_until_ready(list(weights.tensors.values()))
+            weights = self._async_export(weights)
             async_metrics["timing/export_s"] = time.perf_counter() - t0
             probe = None
             if cfg.verify_sync == "every_step":
@@ -1072,6 +1107,8 @@ def train(config: TrainConfig | None = None, *, trainer: RLTrainer | None = None
             logger.log({"step": 0, **val})
         while trainer.step_count < cfg.num_steps:
             m = trainer.step()
+            if trainer.step_count >= cfg.num_steps:  # asynchronous: the engine serves the final version from here
+                trainer.close_pipeline(install_latest=True)
             m.update(trainer.maybe_evaluate())
             release_host_memory()  # freed XLA temporaries back to the OS: RSS stays flat across steps
             m.update(memory_metrics())

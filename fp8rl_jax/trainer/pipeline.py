@@ -141,6 +141,7 @@ class RolloutPipeline:
       end_step: produce batches ``< end_step`` only (the run's ``num_steps``).
       carried: finished jobs restored from a checkpoint (``{step: RolloutJob}``), used instead of producing.
       data_state: the prompt iterator's state where the first batch to produce draws (for checkpoints).
+      published: versions already published (``{version: payload}``), e.g. to an earlier pipeline of this trainer.
 
     Raises:
       ValueError: bad ``max_staleness`` / ``schedule``.
@@ -149,14 +150,15 @@ class RolloutPipeline:
     def __init__(self, produce: Callable[[int, "RolloutPipeline"], RolloutJob],
                  apply: Callable[[int, Any], tuple[float, float]], *, max_staleness: int, schedule: str = "fixed",
                  start_step: int = 0, end_step: int, engine_version: int = 0,
-                 carried: dict[int, RolloutJob] | None = None, data_state: dict | None = None):
+                 carried: dict[int, RolloutJob] | None = None, data_state: dict | None = None,
+                 published: dict[int, Any] | None = None):
         check_staleness(max_staleness, schedule, False)
         if max_staleness < 1:
             raise ValueError("RolloutPipeline runs max_staleness >= 1; 0 is the trainer's synchronous path")
         self.produce, self.apply = produce, apply
         self.k, self.schedule = int(max_staleness), schedule
-        self.published: dict[int, Any] = {}
-        self.latest = int(engine_version)  # newest published version (the engine's at the start)
+        self.published: dict[int, Any] = dict(published or {})
+        self.latest = max([int(engine_version), *self.published])  # newest published version
         self.engine_version = int(engine_version)
         self.jobs: dict[int, RolloutJob] = dict(carried or {})
         self.next_step, self.end_step = int(start_step), int(end_step)
@@ -190,7 +192,8 @@ class RolloutPipeline:
         with self._cond:
             while step not in self.jobs and self._error is None:
                 if not self._thread.is_alive():
-                    raise RuntimeError(f"the rollout producer stopped before batch {step}")
+                    raise RuntimeError(f"the rollout producer stopped before batch {step}: it makes batches up to "
+                                       f"train.num_steps={self.end_step} (raise num_steps to train longer)")
                 if not self._cond.wait(timeout=timeout if timeout is not None else 1.0) and timeout is not None:
                     raise TimeoutError(f"no rollout batch for step {step} after {timeout} s")
             if step in self.jobs:
@@ -250,7 +253,8 @@ class RolloutPipeline:
         self._job_verify += verify_s
         with self._cond:
             self.engine_version = version
-            for v in [v for v in self.published if v <= version]:  # never needed again
+            drop = [v for v in self.published if v <= version] if self.schedule == "latest" else [version]
+            for v in drop:  # never needed again (fixed: installed in order, older ones may still be owed)
                 del self.published[v]
 
     def _run(self) -> None:
@@ -267,7 +271,7 @@ class RolloutPipeline:
                     target = need if self.schedule == "fixed" else self.latest
                 self._job_wait, self._job_sync, self._job_verify = time.perf_counter() - t0, 0.0, 0.0
                 if target != self.engine_version:
-                    if target < self.engine_version or (target not in self.published):
+                    if target not in self.published:
                         raise RolloutVersionError(
                             f"batch {s} is scheduled for weights version {target} but the engine holds version "
                             f"{self.engine_version} and {target} was never published (a resume without the "
