@@ -204,14 +204,15 @@ def plot(recs_by_arm: dict, k: int, path: str) -> list[str]:
     import matplotlib.pyplot as plt
 
     keys = ["reward/mean", "bench/kl_ref_k3", "rollout_corr/k3_kl"]
-    keys += [f"async/k3_kl/lag{j}" for j in (0, k)]
+    keys += [f"async/k3_kl/lag{k}"]  # lag 0 exists only at step 1 of the async arms (the sync arm logs no lags)
     present = set()
     for recs in recs_by_arm.values():
         for rec in recs:
             for m in rec["history"]:
                 present.update(m)
-    keys += [x for x in ("actor/grad_norm", "actor/entropy", "actor/pg_clipfrac", "rollout_corr/rollout_is_mean",
-                         "response_length/mean") if x in present]
+    # (actor/pg_clipfrac and actor/ppo_kl are 0 by construction: one on-policy update per step, ratio pi/old = 1)
+    keys += [x for x in ("actor/grad_norm", "actor/entropy", "rollout_corr/rollout_is_mean", "response_length/mean")
+             if x in present]
     keys = [x for x in keys if x in present]
     ncol = 3
     nrow = math.ceil(len(keys) / ncol)
@@ -223,6 +224,7 @@ def plot(recs_by_arm: dict, k: int, path: str) -> list[str]:
                 continue
             n = min(len(x) for x in rows)
             arr = np.array([x[:n] for x in rows])
+            log_y = "k3_kl" in name
             if np.all(np.isnan(arr)):
                 continue
             x = np.arange(1, n + 1)
@@ -230,12 +232,15 @@ def plot(recs_by_arm: dict, k: int, path: str) -> list[str]:
             ax.plot(x, mean, color=COLORS[arm], label=f"{ARM_LABEL[arm].replace('K', str(k))} (n={len(arr)})")
             if len(arr) > 1:
                 sd = np.nanstd(arr, 0, ddof=1)
-                ax.fill_between(x, mean - sd, mean + sd, color=COLORS[arm], alpha=0.18)
+                lo = mean - sd
+                if log_y:  # a log axis cannot show mean - sd <= 0: clip the band at the smallest run's value
+                    lo = np.maximum(lo, np.nanmin(arr, 0))
+                ax.fill_between(x, lo, mean + sd, color=COLORS[arm], alpha=0.18)
                 for row in arr:
                     ax.plot(x, row, color=COLORS[arm], alpha=0.25, linewidth=0.6)
         ax.set_title(name, fontsize=9)
         ax.set_xlabel("training step")
-        if "kl" in name and name != "bench/kl_ref_k3":
+        if "k3_kl" in name:
             ax.set_yscale("log")
     for ax in list(axes.flat)[len(keys):]:
         ax.axis("off")
@@ -345,7 +350,9 @@ def main(argv=None) -> int:
                                  "matched_versions": [versions.start, versions.stop - 1],
                                  "verify_sync": args.verify_sync},
         "table": table, "per_run": per_run, "pilot": pilot, "plotted_metrics": plotted,
-        "wall_s_total_this_invocation": wall_total,
+        "wall_s_total_this_invocation": wall_total,  # small when the runs came from the cache
+        "wall_s_runs_sum": float(sum(r["wall_s"] for recs in recs_by_arm.values() for r in recs)),
+        "wall_s_pilot_sum": float(sum(pr["wall_s"] for pr in pilot)),
         "curves": {arm: {str(r["seed"]): {name: series(r, name).tolist() for name in plotted} for r in recs}
                    for arm, recs in recs_by_arm.items()},
         "argv": sys.argv,

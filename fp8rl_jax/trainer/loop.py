@@ -17,6 +17,7 @@ import functools
 import json
 import math
 import os
+import sys
 import threading
 import time
 import warnings
@@ -476,7 +477,8 @@ class RLTrainer:
 
         Returns:
           ``{"val/<dataset>/pass@1": ..., "val/<dataset>/mean@<n>": ..., ...}`` (floats) or ``{}``;
-          ``timing/eval_s`` is added when an evaluation ran.
+          ``timing/eval_s`` is added when an evaluation ran; with ``train.max_staleness > 0``
+          ``val/weights_version``, the version the engine served (it evaluates between the producer's requests).
         """
         cfg = self.cfg
         step = self.step_count if step is None else int(step)
@@ -619,6 +621,7 @@ class RLTrainer:
         if cfg.mismatch_split:
             self._keep_version_params(t)
         state = self.batches.state_dict() if hasattr(self.batches, "state_dict") else None
+        self._wait_seen = 0.0
         # versions published to an earlier (closed) producer and not installed yet go to this one
         published, self._unapplied = dict(self._unapplied), {}
         if self._engine_version != t and t not in published:
@@ -637,7 +640,7 @@ class RLTrainer:
         jax.block_until_ready(list(weights.tensors.values()))
         return weights
 
-    def close_pipeline(self, install_latest: bool = False) -> None:
+    def close_pipeline(self, install_latest: bool = False, timeout: float = 600.0) -> None:
         """Stop the background producer, if one runs (after its current request); idempotent. Its finished batches
         and the versions it had not installed are kept for a later :meth:`step` (``train()`` called again on this
         trainer continues exactly).
@@ -645,9 +648,11 @@ class RLTrainer:
         Args:
           install_latest: then sync the trainer's current version into the engine (and content-check it), so that
             the engine serves the final policy (``train()`` does this after the last step, before the last eval).
+          timeout: seconds to wait for the producer's current request (``train()`` waits 2 s after an error or
+            Ctrl-C; the daemon thread never blocks the process's exit).
         """
         if self._pipeline is not None:
-            self._pipeline.close()
+            self._pipeline.close(timeout)
             self._carried_jobs = dict(self._pipeline.jobs)
             self._unapplied = {**self._unapplied, **self._pipeline.published}  # published, never installed
             self._pipeline = None
@@ -890,11 +895,14 @@ class RLTrainer:
                 probe = self._probe_reference()
             if cfg.mismatch_split:
                 self._keep_version_params(self.step_count)
-            self._pipeline.publish(self.step_count, (weights, probe))
+            if self._pipeline is not None:
+                self._pipeline.publish(self.step_count, (weights, probe))
+            else:  # train_on driven by hand: the next producer gets it
+                self._unapplied[self.step_count] = (weights, probe)
             t_sync, t_verify, self.last_probe_diff = job.sync_s, job.verify_s, job.probe_abs_diff
-            async_metrics.update({"timing/rollout_wait_s": job.wait_s,
-                                  "timing/trainer_wait_s": self._pipeline.trainer_wait_s - self._wait_seen})
-            self._wait_seen = self._pipeline.trainer_wait_s
+            waited = self._pipeline.trainer_wait_s if self._pipeline is not None else self._wait_seen
+            async_metrics.update({"timing/rollout_wait_s": job.wait_s, "timing/trainer_wait_s": waited - self._wait_seen})
+            self._wait_seen = waited
         del weights
 
         lengths = rb.response_mask.sum(-1)
@@ -1120,7 +1128,7 @@ def train(config: TrainConfig | None = None, *, trainer: RLTrainer | None = None
                 bar.set_postfix(reward=f"{m['reward/mean']:.3f}", k3=f"{m.get('rollout_corr/k3_kl', float('nan')):.2e}",
                                 s=f"{m['timing/step_s']:.1f}")
     finally:
-        trainer.close_pipeline()
+        trainer.close_pipeline(timeout=2.0 if sys.exc_info()[0] is not None else 600.0)
         if bar is not None:
             bar.close()
         logger.close()
@@ -1145,6 +1153,11 @@ def train(config: TrainConfig | None = None, *, trainer: RLTrainer | None = None
         "timing/step_s_mean": mean_of("timing/step_s"),
         "memory/host_peak_rss_gb": max([m.get("memory/host_peak_rss_gb", 0.0) for m in history] or [math.nan]),
     }
+    if cfg.max_staleness > 0:
+        summary.update({"max_staleness": cfg.max_staleness, "async_schedule": cfg.async_schedule,
+                        "async/staleness_mean": mean_of("async/staleness_mean"),
+                        "timing/trainer_wait_s_mean": mean_of("timing/trainer_wait_s"),
+                        "timing/rollout_wait_s_mean": mean_of("timing/rollout_wait_s")})
     if cfg.train_precision == "fp16":
         summary["actor/skipped_steps"] = float(np.sum([m.get("actor/skipped_step", 0.0) for m in history]))
     if not primary:
