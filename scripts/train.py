@@ -27,7 +27,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from fp8rl_jax.trainer.cli import add_gin_flags, config_from_gin_flags, fail  # noqa: E402
+from fp8rl_jax.trainer.cli import add_gin_flags, config_from_gin_flags, error_line, fail  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -75,7 +75,10 @@ def main(argv=None) -> int:
     except (FileNotFoundError, ValueError) as e:  # bad run dir, model file, checkpoint: one clear line
         if os.environ.get("FP8RL_DEBUG"):
             raise
-        return fail(f"{e} (FP8RL_DEBUG=1 shows the traceback)")
+        from fp8rl_jax.trainer.validation import RunDirError
+
+        user_error = isinstance(e, (RunDirError, FileNotFoundError))  # says what to do; a traceback adds nothing
+        return fail(error_line(e) + ("" if user_error else " (FP8RL_DEBUG=1 shows the traceback)"))
     return 0
 
 

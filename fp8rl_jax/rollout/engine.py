@@ -470,6 +470,19 @@ class JaxRolloutEngine:
             return None
         return np.stack([np.asarray(self.kv_scales.k_scale), np.asarray(self.kv_scales.v_scale)], 1).astype(np.float32)
 
+    @property
+    def served_precision(self) -> str:
+        """What this engine actually computes with: ``"fp8"`` (W8A8 blockwise), ``"bf16"`` or ``"float32"``, plus
+        ``" + e4m3 KV cache"`` with an FP8 cache."""
+        return self.precision + (" + e4m3 KV cache" if self.kv_cache_dtype == "fp8_e4m3" else "")
+
+    def __repr__(self) -> str:
+        c = self.config
+        mesh = "" if self.mesh is None else f", mesh {dict(self.mesh.shape)}"
+        return (f"JaxRolloutEngine({c.model_type} {c.num_hidden_layers} layers x {c.hidden_size}, "
+                f"{self.served_precision}, weights version {self.weights_version}, "
+                f"{len(self.fused_projections)} fused projection groups{mesh})")
+
     def close(self) -> None:
         """Drop the weights and compiled programs."""
         self.state = None

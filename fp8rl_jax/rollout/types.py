@@ -113,6 +113,18 @@ class RolloutBatch:
         """int32 ``[N]`` generated tokens per row."""
         return self.response_mask.sum(-1).astype(np.int32)
 
+    def __repr__(self) -> str:
+        n, t = np.shape(self.response_token_ids)
+        lengths = self.response_lengths if n else np.zeros(1)
+        stops = sum(f == "stop" for f in self.finish_reason)
+        extra = "" if self.routed_experts is None else ", routed_experts recorded"
+        if self.token_versions is not None and np.any(np.asarray(self.token_versions) >= 0):
+            tv = np.asarray(self.token_versions)[np.asarray(self.token_versions) >= 0]
+            extra += f", token versions {int(tv.min())}..{int(tv.max())}"
+        return (f"RolloutBatch({n} rows x {t} tokens from {len(set(np.asarray(self.prompt_index).tolist()))} prompts, "
+                f"weights version {self.weights_version}, response length mean {float(lengths.mean()):.1f} / max "
+                f"{int(lengths.max(initial=0))}, {stops} stopped / {n - stops} cut at max_tokens{extra})")
+
 
 @dataclasses.dataclass
 class ExportedWeights:
@@ -141,6 +153,14 @@ class ExportedWeights:
     def nbytes(self) -> int:
         """Total bytes of all tensors."""
         return int(sum(np.prod(t.shape) * np.dtype(t.dtype).itemsize for t in self.tensors.values()))
+
+    def __repr__(self) -> str:
+        dtypes: dict[str, int] = {}
+        for t in self.tensors.values():
+            dtypes[str(np.dtype(t.dtype))] = dtypes.get(str(np.dtype(t.dtype)), 0) + 1
+        kinds = ", ".join(f"{c} {d}" for d, c in sorted(dtypes.items()))
+        return (f"ExportedWeights(version {self.version}, format {self.format!r}, block_size {self.block_size}, "
+                f"{len(self.tensors)} tensors ({kinds}), {self.nbytes / 1e6:.1f} MB)")
 
 
 @runtime_checkable

@@ -84,6 +84,9 @@ class CheckpointStore:
                                                  enable_async_checkpointing=async_save,
                                                  cleanup_tmp_directories=True, create=True))
 
+    def __repr__(self) -> str:
+        return f"CheckpointStore({self.directory!r}, steps {self.all_steps()}, every {self.save_interval_steps} steps)"
+
     # -- queries --------------------------------------------------------------------------------------------
     def all_steps(self) -> list[int]:
         """Committed checkpoint steps, ascending (tmp directories of interrupted saves are not listed)."""

@@ -52,6 +52,13 @@ def config_from_gin_flags(args: argparse.Namespace, **overrides):
     return cfg, None
 
 
+def error_line(e: BaseException) -> str:
+    """An exception's message for a user: without the ``In call to configurable '...' (<function ... at 0x...>)``
+    lines gin appends to errors raised inside configurables."""
+    lines = [ln for ln in str(e).splitlines() if ln.strip() and not ln.strip().startswith("In call to configurable")]
+    return " ".join(ln.strip() for ln in lines) or type(e).__name__
+
+
 def fail(message: str) -> int:
     """Print ``error: message`` to stderr and return exit status 2."""
     print(f"error: {message}", file=sys.stderr)

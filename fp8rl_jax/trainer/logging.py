@@ -108,7 +108,8 @@ class RunLogger:
             self._tb.close()
 
 
-def plot_metrics(history: Iterable[dict[str, Any]], out_dir: str, title: str = "") -> list[str]:
+def plot_metrics(history: Iterable[dict[str, Any]], out_dir: str, title: str = "",
+                 k3_bound: float | None = None) -> list[str]:
     """Draw PNG plots of reward, validation, mismatch KL and timing metrics against the step.
 
     One PNG per group of :data:`PLOT_GROUPS` that has at least one finite value; a group's metrics share a
@@ -118,6 +119,10 @@ def plot_metrics(history: Iterable[dict[str, Any]], out_dir: str, title: str = "
       history: per-step metric dicts with ``"step"``.
       out_dir: where the PNGs go (created).
       title: figure title prefix (e.g. the run name).
+      k3_bound: the ``rollout_corr/k3_kl`` alarm bound (``train.mismatch_action``), drawn as a dashed line on the
+        mismatch plot.
+
+    Steps are integer ticks; the timing plot leaves out step 1 (it includes compilation) when there are more steps.
 
     Returns:
       the paths of the written PNG files.
@@ -134,9 +139,10 @@ def plot_metrics(history: Iterable[dict[str, Any]], out_dir: str, title: str = "
         keys = sorted({k for m in history for k in m
                        if any(k == p or (p.endswith("/") and k.startswith(p)) for p in prefixes)})
         series = {}
+        skip_first = group == "timing" and len({m["step"] for m in history}) > 2
         for k in keys:
             pts = [(m["step"], m[k]) for m in history if isinstance(m.get(k), (int, float))
-                   and math.isfinite(m[k])]
+                   and math.isfinite(m[k]) and not (skip_first and m["step"] <= 1)]
             if pts:
                 series[k] = pts
         if not series:
@@ -145,8 +151,13 @@ def plot_metrics(history: Iterable[dict[str, Any]], out_dir: str, title: str = "
         for k, pts in series.items():
             xs, ys = zip(*pts)
             ax.plot(xs, ys, marker="o", markersize=3, label=k)
+        from matplotlib.ticker import MaxNLocator
+
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        if group == "mismatch_kl" and k3_bound is not None and "rollout_corr/k3_kl" in series:
+            ax.axhline(k3_bound, color="red", linestyle="--", linewidth=1, label=f"k3 alarm bound {k3_bound:g}")
         ax.set_xlabel("step")
-        ax.set_title(f"{title} {group}".strip())
+        ax.set_title(f"{title} {group}".strip() + (" (step 1, which compiles, left out)" if skip_first else ""))
         if group == "mismatch_kl" and all(y > 0 for pts in series.values() for _, y in pts):
             ax.set_yscale("log")
         ax.grid(alpha=0.3)

