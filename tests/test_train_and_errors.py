@@ -45,6 +45,30 @@ def test_train_script_runs_quickstart_shape(tiny_dir, tmp_path):
             assert k in m and np.isfinite(m[k]), k
         assert 0.0 <= m["reward/mean"] <= 1.0 and m["rollout_corr/k3_kl"] >= 0
     assert (out / "summary.json").exists() and "train.num_steps = 2" in (out / "config.gin").read_text()
+    # what a user meets (issue 31): checkpoints stated up front and written only on interval steps + the last; the
+    # first step's phases shown as they go; the run ends naming its directory, plots and TensorBoard command
+    assert "checkpoints: every 10 steps and after the last one, the last 2 kept, ~" in r.stdout
+    assert sorted(p.name for p in (out / "checkpoints").iterdir() if p.name.isdigit()) == ["2"]
+    assert "  rollout ..." in r.stdout and "  train step ..." in r.stdout and "  export + sync ..." in r.stdout
+    assert f"run directory: {out}" in r.stdout and f"tensorboard --logdir {out / 'tensorboard'}" in r.stdout
+    assert "plots: " in r.stdout and (out / "plots" / "reward.png").exists()
+    # the same command again (make train passes --resume=auto): one line, no model load, summary.json untouched
+    summary = (out / "summary.json").read_text()
+    again = _run_train(["--gin_file=configs/quickstart.gin", f"--gin_param=train.model='{tiny_dir}'",
+                        "--gin_param=train.num_steps=2", f"--output_dir={out}", "--resume=auto"])
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "already holds the complete run (2 of 2 steps" in again.stdout and "loading" not in again.stdout
+    assert (out / "summary.json").read_text() == summary
+
+
+def test_a_missing_prompt_file_fails_before_the_model_loads(tiny_dir, tmp_path):
+    """One line naming the file, without gin's "In call to configurable ... at 0x..." or a traceback hint."""
+    r = _run_train([f"--gin_param=train.model='{tiny_dir}'", "--gin_param=train.task='file'",
+                    f"--gin_param=prompt_file_dataset.path='{tmp_path / 'nope.jsonl'}'", f"--output_dir={tmp_path / 'o'}"])
+    assert r.returncode == 2
+    err = r.stderr.strip().splitlines()
+    assert len(err) == 1 and "nope.jsonl" in err[0], r.stderr[-2000:]
+    assert "In call to configurable" not in err[0] and "FP8RL_DEBUG" not in err[0] and "loading" not in r.stdout
 
 
 def test_notebook_use_without_gin(tiny_dir, tmp_path):

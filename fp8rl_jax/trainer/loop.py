@@ -1133,9 +1133,10 @@ def train(config: TrainConfig | None = None, *, trainer: RLTrainer | None = None
     barrier("fp8rl run directory ready")
     t0 = time.perf_counter()
     if trainer is None:
+        dataset = make_train_dataset(cfg.task, cfg.seed)  # a bad prompt file fails here, before any model loads
         if primary:
             print(f"loading {cfg.model} and building the {cfg.rollout_engine} rollout engine ...", flush=True)
-        trainer = RLTrainer(cfg)
+        trainer = RLTrainer(cfg, dataset=dataset)
         if primary:
             print(f"set-up done in {time.perf_counter() - t0:.0f} s", flush=True)
     if primary and trainer.served_precision.split(" ")[0] != cfg.rollout_precision:
