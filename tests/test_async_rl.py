@@ -256,6 +256,7 @@ def test_partial_rollout_tags_each_token_with_the_version_that_sampled_it(tiny_d
         tr.close_pipeline()
     for m in ms:
         assert m["async/staleness_max"] <= 1
+    assert max(m["async/partial_rows"] for m in ms) > 0  # updates did land inside batches
     for job in jobs:
         rb = job.scored.rollout
         tv = np.asarray(job.token_versions)
@@ -289,3 +290,82 @@ def test_staleness_zero_starts_no_thread_and_generates_from_the_current_version(
     assert tr._pipeline is None and threading.active_count() == before
     assert tr.engine.calls == [0, 1, 2]
     assert not any(k.startswith("async/") for m in ms for k in m)
+
+
+def test_mismatch_split_separates_precision_from_policy_lag(tiny_dir, tmp_path):
+    """train.mismatch_split: on the first batch (lag 0) the policy-lag part is exactly 0 and the precision part is the
+    whole rollout_corr/k3_kl; once batches lag a version behind a large update, the lag part is positive."""
+    from fp8rl_jax.trainer import RLTrainer
+
+    tr = RLTrainer(_cfg(tiny_dir, tmp_path / "split", num_steps=3, max_staleness=1, mismatch_split=True,
+                        learning_rate=0.3))
+    tr.reward_fn = _reward
+    try:
+        ms = [tr.step() for _ in range(3)]
+    finally:
+        tr.close_pipeline()
+    assert ms[0]["async/k3_policy_lag"] == 0.0
+    assert ms[0]["async/k3_precision"] == pytest.approx(ms[0]["rollout_corr/k3_kl"], rel=1e-5, abs=1e-9)
+    assert ms[2]["async/staleness_max"] == 1 and ms[2]["async/k3_policy_lag"] > 0
+
+
+def test_resume_with_other_async_settings_is_refused_before_any_state_changes(tiny_dir, tmp_path):
+    from fp8rl_jax.trainer import RLTrainer
+    from fp8rl_jax.trainer.checkpoint import CheckpointStore
+
+    tr = RLTrainer(_cfg(tiny_dir, tmp_path / "k2", max_staleness=2))
+    tr.reward_fn = _reward
+    store = CheckpointStore(str(tmp_path / "ck"), async_save=False)
+    try:
+        tr.step()
+        tr.step()
+        tr.save_checkpoint(store, force=True)
+    finally:
+        tr.close_pipeline()
+        store.close()
+    other = RLTrainer(_cfg(tiny_dir, tmp_path / "k1", max_staleness=1))
+    store = CheckpointStore(str(tmp_path / "ck"), async_save=False)
+    try:
+        with pytest.raises(ValueError, match="max_staleness=2.*carries its in-flight batches .2, 3.*max_staleness=1"):
+            other.restore_checkpoint(store)
+    finally:
+        store.close()
+    assert other.step_count == 0 and other.engine.weights_version == 0
+
+
+def test_an_interrupted_step_keeps_its_batch_and_a_failed_sync_is_never_trusted(tiny_dir, tmp_path):
+    """Ctrl-C before the update (here: in the phase callback at "train step") changes nothing and the same batch
+    trains at the retry (synchronous and asynchronous); after a failed content check is caught, the next step
+    installs and checks again instead of generating from the unchecked weights."""
+    from fp8rl_jax.rollout.verify import StaleWeightsError
+    from fp8rl_jax.trainer import RLTrainer
+
+    for k in (0, 1):
+        tr = RLTrainer(_cfg(tiny_dir, tmp_path / f"int{k}", max_staleness=k))
+        tr.reward_fn = _reward
+        tr.engine = _RecordingEngine(tr.engine)
+        tr.step()
+
+        def interrupt(name):
+            if name == "train step":
+                raise KeyboardInterrupt
+
+        tr.on_phase = interrupt
+        with pytest.raises(KeyboardInterrupt):
+            tr.step()
+        tr.on_phase = None
+        calls = list(tr.engine.calls)
+        assert tr.step_count == 1
+        m = tr.step()  # the kept batch: no new generate call for it in synchronous mode
+        assert m["step"] == 2 and (k == 1 or tr.engine.calls == calls)
+        tr.close_pipeline()
+
+    tr = RLTrainer(_cfg(tiny_dir, tmp_path / "again", max_staleness=1, learning_rate=0.5))
+    tr.reward_fn = _reward
+    tr.engine = _RecordingEngine(tr.engine, drop_updates_after=0)
+    for _ in range(2):  # the failure repeats: the version is installed and checked again, never assumed
+        with pytest.raises(StaleWeightsError):
+            while True:
+                tr.step()
+    tr.close_pipeline()
+    assert tr.engine.calls == [0, 0]

@@ -20,6 +20,7 @@ import os
 import sys
 import threading
 import time
+import weakref
 import warnings
 from typing import Any
 
@@ -104,6 +105,7 @@ class RLTrainer:
         self._pipeline: RolloutPipeline | None = None
         self._engine_lock = threading.RLock()
         self._carried_jobs: dict[int, RolloutJob] = {}
+        self._closed: list[RolloutPipeline] = []  # stopped producers whose last request may still be running
         self._unapplied: dict[int, Any] = {}
         self._version_params: dict[int, Any] = {}
         self._shadow_model = None
@@ -187,6 +189,11 @@ class RLTrainer:
         self.served_precision = str(getattr(engine, "served_precision", config.rollout_precision))
         self.init_sync_s = time.perf_counter() - t0
         self.moe_layers = tuple(i for i in range(model_cfg.num_hidden_layers) if model_cfg.is_sparse_layer(i))
+        if config.max_staleness > 0 and config.mismatch_action != "off" and not config.mismatch_split:
+            print(f"note: with train.max_staleness={config.max_staleness} rollout_corr/k3_kl includes the policy lag; "
+                  f"train.mismatch_action checks the precision bound on tokens sampled by the current version only "
+                  f"(under async_schedule='fixed' none after step {config.max_staleness}): set train.mismatch_split="
+                  "True to check the precision part of every step (docs/ASYNC.md)", flush=True)
         if config.partial_rollout and self.moe_layers and config.routing_replay:
             raise ValueError("train.partial_rollout=True with train.routing_replay=True: a continued sequence has no "
                              "routing record for its first part; set one of them to False")
@@ -249,8 +256,14 @@ class RLTrainer:
         if self._pipeline is not None:  # asynchronous: batches of older versions ride along, the rest is redone
             jobs = self._pipeline.jobs_to_checkpoint(self.step_count)
             first_redo = max(jobs) + 1 if jobs else self.step_count
-            meta.update({"data_iterator": self._pipeline.data_state_at.get(first_redo, batches),
-                         "inflight_rollouts": jobs_to_json(jobs), "max_staleness": self.cfg.max_staleness,
+            batches = self._pipeline.data_state_at.get(first_redo, batches)
+        else:  # batches kept from a stopped producer (or an interrupted step): the prompts are drawn past them
+            self._reap_closed()
+            jobs = dict(self._carried_jobs)
+            batches = self.batches.state_dict() if hasattr(self.batches, "state_dict") else None
+        meta["data_iterator"] = batches
+        if jobs or self.cfg.max_staleness > 0:
+            meta.update({"inflight_rollouts": jobs_to_json(jobs), "max_staleness": self.cfg.max_staleness,
                          "async_schedule": self.cfg.async_schedule})
         return state, meta
 
@@ -280,11 +293,20 @@ class RLTrainer:
           ValueError: the checkpoint belongs to another model/optimizer/precision (shapes or tree differ).
         """
         self.close_pipeline()  # a running producer belongs to the state being replaced
+        self._reap_closed()
+        self._carried_jobs, self._unapplied = {}, {}
         targets, _ = self.checkpoint_state()  # the restore target: the tree this trainer would save
         state, meta = store.restore(step, targets)
         if meta.get("train_precision", self.cfg.train_precision) != self.cfg.train_precision:
             raise ValueError(f"checkpoint was written with train_precision={meta['train_precision']!r}, this "
                              f"run uses {self.cfg.train_precision!r}")
+        carried = jobs_from_json(meta.get("inflight_rollouts"))
+        saved = (int(meta.get("max_staleness", 0)), meta.get("async_schedule", self.cfg.async_schedule))
+        if carried and saved != (self.cfg.max_staleness, self.cfg.async_schedule):  # before any state is replaced
+            raise ValueError(f"checkpoint step {meta['rl_step']} was written by an asynchronous run with "
+                             f"max_staleness={saved[0]}, async_schedule={saved[1]!r} and carries its in-flight batches "
+                             f"{sorted(carried)}; this run has max_staleness={self.cfg.max_staleness}, async_schedule="
+                             f"{self.cfg.async_schedule!r}: resume it with the same settings")
         load_model_state(self.model, state["params"])
         load_optimizer_state(self.optimizer, state["optimizer"])
         self.load_extra_state(state.get("extra", {}))
@@ -293,14 +315,12 @@ class RLTrainer:
         if it is not None:  # the batch stream is a pure function of (dataset, batch size, seed, position)
             self.batches = self.dataset.iterate_batches(it["batch_size"], it["seed"], start_index=it["position"],
                                                         shuffle=it.get("shuffle", True))
-        self._carried_jobs = jobs_from_json(meta.get("inflight_rollouts"))
-        if self._carried_jobs and self.cfg.max_staleness == 0:
-            raise ValueError(f"checkpoint step {self.step_count} was written by an asynchronous run (max_staleness="
-                             f"{meta.get('max_staleness')}) and carries in-flight batches "
-                             f"{sorted(self._carried_jobs)}: resume it with the same train.max_staleness")
-        self._version_params, self._unapplied = {}, {}
-        self.engine.update_weights(self.export(**_sync_options(self.engine)))
-        self._engine_version = self.step_count
+        self._carried_jobs = carried
+        self._version_params = {}
+        with self._engine_lock:
+            self._engine_version = -1
+            self.engine.update_weights(self.export(**_sync_options(self.engine)))
+            self._engine_version = self.step_count
         self._async_probe_diff = self._verify_after_sync()  # the check of the version the producer starts from
         return self.step_count
 
@@ -608,39 +628,58 @@ class RLTrainer:
     def next_rollout(self) -> RolloutJob:
         """The rollout batch of step :attr:`step_count`: made now (``max_staleness = 0``) or the producer's.
 
+        A batch handed back by an interrupted :meth:`train_on` (Ctrl-C before its update) is used again.
+
         Raises:
-          ValueError: an asynchronous resume from a checkpoint without the in-flight batches it needs.
           the producer's error (see :meth:`step`).
         """
         if self.cfg.max_staleness == 0:
+            if self.step_count in self._carried_jobs:
+                return self._carried_jobs.pop(self.step_count)
             self._phase("rollout")
             return self.produce_rollout(self.step_count)
         if self._pipeline is None:
             self._start_pipeline()
         self._phase("waiting for the rollout producer")
-        return self._pipeline.get(self.step_count)
+        try:
+            return self._pipeline.get(self.step_count)
+        except BaseException:  # the producer failed (or Ctrl-C): stop it; a later step starts a fresh one
+            self.close_pipeline(timeout=2.0)
+            raise
+
+    def _return_job(self, job: RolloutJob) -> None:
+        """Give back a batch whose step did not run (interrupted before its update): the next step takes it."""
+        if self._pipeline is not None:
+            with self._pipeline._cond:
+                self._pipeline.jobs[job.step] = job
+        else:
+            self._carried_jobs[job.step] = job
 
     def _phase(self, name: str) -> None:
         if self.on_phase is not None:
             self.on_phase(name)
 
     def _start_pipeline(self) -> None:
-        """Start the background producer at the current step (after a restore: with the carried batches)."""
+        """Start the background producer at the current step (after a restore: with the carried batches).
+
+        Under ``"fixed"``, a batch whose scheduled version is no longer held (a run continued past its final
+        checkpoint, whose producer had stopped) is sampled by the trainer's current version instead: less stale than
+        scheduled, never more; said once.
+        """
+        self._reap_closed()
         cfg, t = self.cfg, self.step_count
         carried, self._carried_jobs = self._carried_jobs, {}
+        floor = 0
         if cfg.async_schedule == "fixed":  # each batch not carried must be sampled by a version that still exists
             need = [s for s in range(t, min(t + cfg.max_staleness, cfg.num_steps)) if s not in carried]
             have = {self._engine_version, t, *self._unapplied}
             lost = [s for s in need if scheduled_version(s, cfg.max_staleness) not in have]
             if lost:
-                raise ValueError(
-                    f"continuing an asynchronous run (max_staleness={cfg.max_staleness}, async_schedule='fixed') at "
-                    f"step {t} needs batches {lost} sampled by weights versions "
-                    f"{[scheduled_version(s, cfg.max_staleness) for s in lost]} that are no longer held (engine: "
-                    f"version {self._engine_version}, trainer: version {t}, carried batches: {sorted(carried)}; a "
-                    "checkpoint written with another max_staleness or schedule, or a finished train() continued with "
-                    "max_staleness > 1): resume with the settings that wrote the checkpoint, or use "
-                    "async_schedule='latest' (in-flight batches regenerated from the current version)")
+                floor = t
+                print(f"note: continuing the asynchronous run at step {t}: batches {lost} were scheduled for weights "
+                      f"versions {[scheduled_version(s, cfg.max_staleness) for s in lost]}, which are no longer held "
+                      f"(the run had finished, or a checkpoint of other settings); they are sampled by version {t} "
+                      "(staleness below the bound; not the batches an uninterrupted run would have made)", flush=True)
         if cfg.mismatch_split:
             self._keep_version_params(t)
         state = self.batches.state_dict() if hasattr(self.batches, "state_dict") else None
@@ -649,10 +688,12 @@ class RLTrainer:
         published, self._unapplied = dict(self._unapplied), {}
         if self._engine_version != t and t not in published:
             published[t] = (self._async_export(), self._probe_reference() if cfg.verify_sync == "every_step" else None)
-        self._pipeline = RolloutPipeline(self._produce_locked, self._apply_published, max_staleness=cfg.max_staleness,
-                                         schedule=cfg.async_schedule, start_step=t, end_step=cfg.num_steps,
-                                         engine_version=self._engine_version, carried=carried, data_state=state,
-                                         published=published)
+        pipeline = RolloutPipeline(self._produce_async, self._apply_published, max_staleness=cfg.max_staleness,
+                                   schedule=cfg.async_schedule, start_step=t, end_step=cfg.num_steps,
+                                   engine_version=self._engine_version, carried=carried, data_state=state,
+                                   published=published, floor_version=floor)
+        weakref.finalize(self, pipeline.close, 0)  # a trainer dropped in a notebook stops its producer
+        self._pipeline = pipeline
 
     def _async_export(self, weights=None):
         """:meth:`export` (or ``weights``) made safe to hold while the next update runs: a float32 export may alias
@@ -672,41 +713,55 @@ class RLTrainer:
           install_latest: then sync the trainer's current version into the engine (and content-check it), so that
             the engine serves the final policy (``train()`` does this after the last step, before the last eval).
           timeout: seconds to wait for the producer's current request (``train()`` waits 2 s after an error or
-            Ctrl-C; the daemon thread never blocks the process's exit).
+            Ctrl-C; the daemon thread never blocks the process's exit). A producer still busy after it is waited for
+            in full, and its batch kept, before anything else uses the engine or the prompts (next step, restore,
+            checkpoint).
         """
         if self._pipeline is not None:
             self._pipeline.close(timeout)
-            self._carried_jobs = dict(self._pipeline.jobs)
-            self._unapplied = {**self._unapplied, **self._pipeline.published}  # published, never installed
+            self._closed.append(self._pipeline)
             self._pipeline = None
+        if not any(p._thread.is_alive() for p in self._closed):
+            self._reap_closed()
         if install_latest and self.cfg.max_staleness > 0 and self._engine_version != self.step_count:
+            self._reap_closed()
             payload = self._unapplied.get(self.step_count)
             if payload is None:
                 payload = (self._async_export(), self._probe_reference() if self.cfg.verify_sync == "every_step"
                            else None)
                 self._unapplied[self.step_count] = payload
-            self._apply_published(self.step_count, payload)
+            with deferred_sigint():  # never a half-installed engine labelled with a version
+                self._apply_published(self.step_count, payload)
             self.last_probe_diff = self._async_probe_diff
 
-    def _produce_locked(self, step: int, hooks: RolloutPipeline) -> RolloutJob:
-        with self._engine_lock:
-            return self.produce_rollout(step, hooks)
+    def _reap_closed(self) -> None:
+        """Wait for stopped producers to finish their last request, then keep their batches and uninstalled versions."""
+        while self._closed:
+            p = self._closed.pop(0)
+            p.close(timeout=None)
+            self._carried_jobs.update(p.jobs)
+            self._unapplied = {**self._unapplied, **p.published}  # published, never installed
+
+    def _produce_async(self, step: int, hooks: RolloutPipeline) -> RolloutJob:
+        return self.produce_rollout(step, hooks)
 
     def _apply_published(self, version: int, payload) -> tuple[float, float]:
         """Producer side of an asynchronous sync: install ``version`` in the engine and content-check it.
 
-        Returns ``(sync_s, verify_s)``. Raises StaleWeightsError (a failed probe) or the engine's error; the
-        engine then keeps its last complete version and the producer stops.
+        The engine's version is unknown (-1) from the start of the install until its check passes, so a failed or
+        interrupted install is never taken for a version. Returns ``(sync_s, verify_s)``. Raises StaleWeightsError
+        (a failed probe) or the engine's error; the producer then stops, and a later one installs again.
         """
         weights, probe = payload
         with self._engine_lock:
+            self._engine_version = -1
             t0 = time.perf_counter()
             self.engine.update_weights(weights)
             jax.block_until_ready(jax.tree.leaves(getattr(self.engine, "state", None) or [0]))
             sync_s = time.perf_counter() - t0
             t0 = time.perf_counter()
-            self._engine_version = int(version)
             self._async_probe_diff = math.nan if probe is None else self._check_engine_probe(probe, int(version))
+            self._engine_version = int(version)
             return sync_s, time.perf_counter() - t0
 
     def produce_rollout(self, step: int, hooks: RolloutPipeline | None = None) -> RolloutJob:
@@ -736,7 +791,8 @@ class RLTrainer:
                                 seed=cfg.seed * 1_000_003 + step + 104_729 * gen_batches[0])
             gen_batches[0] += 1
             t0 = time.perf_counter()
-            rb = self._generate_versioned(prompts, sp, hooks)
+            with self._engine_lock:  # not while scoring: an evaluation or install may use the engine meanwhile
+                rb = self._generate_versioned(prompts, sp, hooks)
             timers["rollout"] += time.perf_counter() - t0
             t0 = time.perf_counter()
             texts = [self.tokenizer.decode([int(t) for t, m in zip(row, mrow) if m > 0])
@@ -809,14 +865,18 @@ class RLTrainer:
             version = hooks.between_chunks()
             newest = max(newest, version)
             take = min(chunk, budget - done)
-            cont = [list(first.prompt_token_ids[r]) + [int(t) for t in ids[r, :done]] for r in live]
+            # always n_rows rows (the live ones, then repeats of the first): one program shape per chunk index,
+            # compiled once per run, instead of one per count of rows still running
+            padded = live + [live[0]] * (n_rows - len(live))
+            cont = [list(first.prompt_token_ids[r]) + [int(t) for t in ids[r, :done]] for r in padded]
             rb = self._generate_rollout(cont, dataclasses.replace(
                 sp, n=1, max_tokens=take, seed=None if sp.seed is None else sp.seed + 7_919 * c))
             self._check_reported_version(rb, version)
-            rows = np.asarray(live)
-            ids[rows, done:done + take], lp[rows, done:done + take] = rb.response_token_ids, rb.rollout_logprobs
-            mask[rows, done:done + take] = rb.response_mask
-            ver[rows, done:done + take] = np.where(np.asarray(rb.response_mask) > 0, version, -1)
+            rows, k = np.asarray(live), len(live)
+            ids[rows, done:done + take] = rb.response_token_ids[:k]
+            lp[rows, done:done + take] = rb.rollout_logprobs[:k]
+            mask[rows, done:done + take] = rb.response_mask[:k]
+            ver[rows, done:done + take] = np.where(np.asarray(rb.response_mask[:k]) > 0, version, -1)
             for j, r in enumerate(live):
                 finish[r] = rb.finish_reason[j]
             done, c = done + take, c + 1
@@ -834,10 +894,22 @@ class RLTrainer:
         Returns:
           the step's metrics (see :meth:`step`).
         """
-        cfg = self.cfg
         t_step = time.perf_counter() if t_step is None else t_step
         if job.step != self.step_count:
             raise RolloutVersionError(f"rollout batch for step {job.step} handed to step {self.step_count}")
+        try:
+            prepared = self._prepare_batch(job)
+        except RolloutVersionError:  # a batch that can never be trained on
+            raise
+        except BaseException:  # Ctrl-C or an error before the update: nothing changed, the batch is kept for a retry
+            self._return_job(job)
+            raise
+        with deferred_sigint():  # the update and the sync are not cut in two by Ctrl-C (the trainer stays usable)
+            return self._update_and_sync(job, *prepared, t_step)
+
+    def _prepare_batch(self, job: RolloutJob):
+        """:meth:`train_on`'s first half (changes no trainer state): checks, advantages, the device batch."""
+        cfg = self.cfg
         sb, dapo_metrics = job.scored, dict(job.dapo_metrics)
         rb, texts = sb.rollout, sb.texts
         rewards = sb.rewards.astype(np.float32)
@@ -872,9 +944,8 @@ class RLTrainer:
         if cfg.mismatch_split and cfg.max_staleness > 0:  # the trainer's policy at each sampling version, pre-update
             async_metrics.update(self._mismatch_split(job, batch))
 
-        with deferred_sigint():  # the update and the sync are not cut in two by Ctrl-C (the trainer stays usable)
-            return self._update_and_sync(job, batch, on_policy, rewards, rb, texts, dapo_metrics, async_metrics,
-                                         clip_ratio, t_rollout, t_reward, t_old, t_step)
+        return (batch, on_policy, rewards, rb, texts, dapo_metrics, async_metrics, clip_ratio, t_rollout, t_reward,
+                t_old)
 
     def _update_and_sync(self, job, batch, on_policy, rewards, rb, texts, dapo_metrics, async_metrics, clip_ratio,
                          t_rollout, t_reward, t_old, t_step) -> dict[str, float]:
@@ -915,6 +986,7 @@ class RLTrainer:
         if cfg.max_staleness == 0:
             self.engine.update_weights(weights)
             self._engine_version = int(weights.version)
+            weights = None  # the engine holds what it needs; no second copy during the check
             jax.block_until_ready(jax.tree.leaves(getattr(self.engine, "state", None) or [0]))
             t_sync = time.perf_counter() - t0
             t0 = time.perf_counter()
@@ -1025,8 +1097,8 @@ class RLTrainer:
         for v in sorted(set(tv[mask].tolist())):
             if v == self.step_count:
                 continue
-            if v not in self._version_params:
-                raise RolloutVersionError(f"train.mismatch_split: no params kept for version {v}")
+            if v not in self._version_params:  # a batch carried over a resume: its version's params are gone
+                return {}
             nnx.update(self._shadow_model, self._version_params[v])
             lp = np.asarray(self._logprobs(self._shadow_model, batch["prompt_ids"], batch["prompt_mask"],
                                            batch["response_ids"], cfg.temperature,
@@ -1102,8 +1174,6 @@ def train(config: TrainConfig | None = None, *, trainer: RLTrainer | None = None
       ValueError: bad config; a checkpoint that belongs to another model/precision.
       FileNotFoundError: a checkpoint with missing files.
     """
-    import dataclasses
-
     from fp8rl_jax.trainer.distributed import barrier, is_primary
     from fp8rl_jax.trainer.host_memory import memory_metrics, release_host_memory
     from fp8rl_jax.trainer.logging import RunLogger, plot_metrics
@@ -1132,6 +1202,8 @@ def train(config: TrainConfig | None = None, *, trainer: RLTrainer | None = None
             pass
     barrier("fp8rl run directory ready")
     t0 = time.perf_counter()
+    if trainer is not None and trainer.cfg.num_steps != cfg.num_steps:  # the producer stops at the run's last step
+        trainer.cfg = dataclasses.replace(trainer.cfg, num_steps=cfg.num_steps)
     if trainer is None:
         dataset = make_train_dataset(cfg.task, cfg.seed)  # a bad prompt file fails here, before any model loads
         if primary:

@@ -85,6 +85,19 @@ class RolloutJob:
         return int(v.min()) if v.size else int(self.token_versions.max(initial=-1))
 
 
+class _TrainerGone(Exception):
+    """The trainer that owned the pipeline was garbage-collected: the producer stops."""
+
+
+def _weak(fn):
+    """A weak reference to a bound method (a plain function is held strongly): ``ref() -> fn | None``."""
+    import weakref
+
+    if hasattr(fn, "__self__") and hasattr(fn, "__func__"):
+        return weakref.WeakMethod(fn)
+    return lambda: fn
+
+
 def check_staleness(max_staleness: int, schedule: str, partial_rollout: bool) -> None:
     """Validate the asynchronous-RL settings.
 
@@ -149,6 +162,8 @@ class RolloutPipeline:
       carried: finished jobs restored from a checkpoint (``{step: RolloutJob}``), used instead of producing.
       data_state: the prompt iterator's state where the first batch to produce draws (for checkpoints).
       published: versions already published (``{version: payload}``), e.g. to an earlier pipeline of this trainer.
+      floor_version: no batch is sampled by an older version (a continuation whose scheduled versions are gone
+        samples those batches from this one instead: less stale than scheduled, never more).
 
     Raises:
       ValueError: bad ``max_staleness`` / ``schedule``.
@@ -158,12 +173,13 @@ class RolloutPipeline:
                  apply: Callable[[int, Any], tuple[float, float]], *, max_staleness: int, schedule: str = "fixed",
                  start_step: int = 0, end_step: int, engine_version: int = 0,
                  carried: dict[int, RolloutJob] | None = None, data_state: dict | None = None,
-                 published: dict[int, Any] | None = None):
+                 published: dict[int, Any] | None = None, floor_version: int = 0):
         check_staleness(max_staleness, schedule, False)
         if max_staleness < 1:
             raise ValueError("RolloutPipeline runs max_staleness >= 1; 0 is the trainer's synchronous path")
-        self.produce, self.apply = produce, apply
-        self.k, self.schedule = int(max_staleness), schedule
+        # weak references to the trainer's methods: a trainer dropped in a notebook is freed, and its producer stops
+        self._produce_ref, self._apply_ref = _weak(produce), _weak(apply)
+        self.k, self.schedule, self.floor_version = int(max_staleness), schedule, int(floor_version)
         self.published: dict[int, Any] = dict(published or {})
         self.latest = max([int(engine_version), *self.published])  # newest published version
         self.engine_version = int(engine_version)
@@ -239,6 +255,13 @@ class RolloutPipeline:
         self._thread.join(timeout)
 
     # -- producer side -----------------------------------------------------------------------------------------
+    @staticmethod
+    def _call(ref):
+        fn = ref()
+        if fn is None:
+            raise _TrainerGone
+        return fn
+
     def current_version(self) -> int:
         """The version the engine serves now (the producer's view)."""
         return self.engine_version
@@ -255,7 +278,7 @@ class RolloutPipeline:
     def _install(self, version: int) -> None:
         with self._cond:
             payload = self.published[version]
-        sync_s, verify_s = self.apply(version, payload)
+        sync_s, verify_s = self._call(self._apply_ref)(version, payload)
         self._job_sync += sync_s
         self._job_verify += verify_s
         with self._cond:
@@ -268,7 +291,7 @@ class RolloutPipeline:
         try:
             while True:
                 s = self.next_step
-                need = scheduled_version(s, self.k)
+                need = max(scheduled_version(s, self.k), self.floor_version)
                 t0 = time.perf_counter()
                 with self._cond:
                     while not self._stop and s < self.end_step and self.latest < need:
@@ -284,7 +307,7 @@ class RolloutPipeline:
                             f"{self.engine_version} and {target} was never published (a resume without the "
                             "checkpoint's in-flight batches?)")
                     self._install(target)
-                job = self.produce(s, self)
+                job = self._call(self._produce_ref)(s, self)
                 job.wait_s += self._job_wait
                 job.sync_s += self._job_sync
                 job.verify_s += self._job_verify
@@ -294,6 +317,8 @@ class RolloutPipeline:
                     self.data_state_at.pop(s - 2 * self.k - 2, None)
                     self.next_step = s + 1
                     self._cond.notify_all()
+        except _TrainerGone:
+            return
         except BaseException as e:  # noqa: BLE001 - handed to the trainer's get()
             with self._cond:
                 self._error = e
