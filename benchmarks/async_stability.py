@@ -315,7 +315,7 @@ def main(argv=None) -> int:
     cols = [("arm", "arm"), ("n", "n"), ("reward_first3", "reward steps 1-3"),
             ("reward_last_window", f"reward last {args.window} steps"),
             ("reward_matched_versions", f"reward, versions {versions.start}-{versions.stop - 1}"),
-            ("kl_ref_k3_last", "KL(ref||final) k3"), ("rollout_k3_mean", "mean rollout_corr/k3_kl"),
+            ("kl_ref_k3_last", "KL(ref‖final) k3"), ("rollout_k3_mean", "mean rollout_corr/k3_kl"),
             ("grad_norm_mean", "mean grad_norm"), ("collapsed", "collapsed"), ("wall_s_per_run", "s/run")]
     lines = ["| " + " | ".join(c[1] for c in cols) + " |", "|" + "---|" * len(cols)]
     for row in table:
@@ -368,7 +368,7 @@ def main(argv=None) -> int:
           f"- `reward last {args.window} steps`: by training step; the async arms' batches there were sampled "
           f"{k} versions earlier. `reward, versions ...`: the batches sampled by the same weights versions in every "
           "arm (step = version + K for the async arms).",
-          "- `KL(ref||final) k3`: `bench/kl_ref_k3` after the last step: k3 estimate of KL(pi_ref || pi_final) on "
+          "- `KL(ref‖final) k3`: `bench/kl_ref_k3` after the last step: k3 estimate of KL(pi_ref || pi_final) on "
           "the run's step-0 batch (responses sampled by version 0), reference log-probs = the trainer's before "
           "the first update. The loss has no KL-to-reference term, so this is measured, not penalised.",
           "- `mean rollout_corr/k3_kl`: trainer (current) vs engine behaviour log-probs, mean over steps; in the "
@@ -377,13 +377,19 @@ def main(argv=None) -> int:
           "", f"Plot: `{os.path.basename(png)}` (metrics: {', '.join(plotted)}).", "",
           "## Pilot (seed 0, other learning rates / arms)", ""]
     if pilot:
-        md += ["| run | reward per step | KL(ref||final) k3 | mean rollout k3 | collapsed |", "|---|---|---|---|---|"]
+        md += ["| run | reward per step | KL(ref‖final) k3 | mean rollout k3 | collapsed |", "|---|---|---|---|---|"]
         for pr in pilot:
             md.append(f"| {pr['key']} | {pr['reward']} | {pr['kl_ref_k3_last']:.3g} | {pr['rollout_k3_mean']:.3g} | "
                       f"{pr['collapsed']} |")
     else:
         md.append("(none in the cache)")
-    md += ["", "## Reading", "", "READING_PLACEHOLDER", ""]
+    reading = "(to be written by whoever ran it: is the effect larger than the seed spread?)"
+    if os.path.exists(args.results + ".md"):  # a rerun from the cache keeps the reading written by hand
+        with open(args.results + ".md") as f:
+            old_md = f.read()
+        if "\n## Reading\n" in old_md:
+            reading = old_md.split("\n## Reading\n", 1)[1].strip()
+    md += ["", "## Reading", "", reading, ""]
     with open(args.results + ".md", "w") as f:
         f.write("\n".join(md))
     print(f"wrote {args.results}.json/.md/.png; wall {wall_total:.0f} s")
