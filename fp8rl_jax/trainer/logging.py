@@ -97,7 +97,9 @@ class RunLogger:
         if self._tb is not None:
             step = int(metrics["step"])
             for k, v in metrics.items():
-                if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool):
+                # NaN means "not measured this step" (e.g. no sync checked): metrics.jsonl keeps it, TensorBoard
+                # gets no point (tensorboardX would warn about it every step)
+                if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
                     self._tb.add_scalar(k, float(v), step)
             self._tb.flush()
 
