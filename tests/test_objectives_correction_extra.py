@@ -420,3 +420,19 @@ def test_entirely_masked_batch_every_metric_is_zero(shape):
             loss, met = compute_policy_loss(*f32(*junk, junk[2][:, 0], z), cfg)
             bad = {k: float(v) for k, v in met.items() if float(v) != 0.0}
             assert float(loss) == 0.0 and not bad, (name, mode, bad)
+
+
+def test_k3_is_exact_for_tiny_log_ratios():
+    """k3 = E[exp(d) - 1 - d] for |d| ~ 5e-6 (a float32 engine vs the trainer): non-negative and within 1% of the
+    float64 value (exp(d) - 1 - d in float32 cancels to 0 or below; expm1 keeps it)."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from fp8rl_jax import objectives
+
+    d = np.random.default_rng(0).normal(0, 5e-6, (32, 32)).astype(np.float32)
+    got = float(objectives.rollout_corr_metrics(jnp.asarray(d - 3.0), jnp.full((32, 32), -3.0, jnp.float32),
+                                                jnp.ones((32, 32)))["rollout_corr/k3_kl"])
+    d64 = np.float64(d - 3.0) - (-3.0)
+    want = float(np.mean(np.expm1(d64) - d64))
+    assert got >= 0 and abs(got - want) <= 0.01 * want, (got, want)

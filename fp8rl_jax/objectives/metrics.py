@@ -103,7 +103,7 @@ def rollout_corr_metrics(old_logprobs, rollout_logprobs, response_mask, prefix: 
         "training_ppl": masked_mean(exp_safe(-lp_old), seq_valid),
         "training_log_ppl": masked_mean(-lp_old, seq_valid),
         "kl": masked_mean(roll - old, m),
-        "k3_kl": masked_mean(exp_safe(lr) - lr - 1.0, m),
+        "k3_kl": masked_mean(jnp.expm1(jnp.clip(lr, -SAFETY_BOUND, SAFETY_BOUND)) - lr, m),  # expm1: exact near 0
         "rollout_ppl": masked_mean(exp_safe(-lp_roll), seq_valid),
         "rollout_log_ppl": masked_mean(-lp_roll, seq_valid),
         "log_ppl_diff": masked_mean(log_ppl_diff, seq_valid),

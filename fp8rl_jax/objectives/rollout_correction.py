@@ -454,7 +454,7 @@ class RejectionSampling:
         """Compute the rejection mask; see the class docstring. Returns a ``Correction``."""
         lr, m = _prep(old_logprobs, rollout_logprobs, response_mask)
         r = jnp.clip(lr, -SAFETY_BOUND, SAFETY_BOUND)
-        ks = {"k1": -r, "k2": 0.5 * jnp.square(r), "k3": jnp.exp(r) - 1.0 - r}
+        ks = {"k1": -r, "k2": 0.5 * jnp.square(r), "k3": jnp.expm1(r) - r}
         sv = _seq_valid(m)
         combined = jnp.ones_like(m)
         metrics: dict = {}

@@ -193,7 +193,7 @@ class TrustRegionMasking:
         lr, m = _prep(old_logprobs, rollout_logprobs, response_mask)
         r = jnp.clip(lr, -SAFETY_BOUND, SAFETY_BOUND)
         k2 = 0.5 * jnp.square(r)
-        k3 = jnp.exp(r) - 1.0 - r
+        k3 = jnp.expm1(r) - r
         seq_max_k2 = masked_max(k2, m, axis=-1)
         seq_mean_k3 = masked_mean(k3, m, axis=-1)
         sv = _seq_valid(m)
