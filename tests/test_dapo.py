@@ -4,6 +4,8 @@ against float64 / plain-Python references of the published rules (DAPO arXiv 250
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -184,10 +186,13 @@ def test_train_dynamic_sampling_overlong_and_eval_hook(tmp_path_factory):
                       max_response_length=T, rollout_precision="bf16", learning_rate=1e-3, progress_bar=False,
                       checkpoint_every=0, plots=False, filter_groups=True, max_num_gen_batches=5,
                       overlong_buffer_len=Lb, overlong_penalty_factor=factor, overlong_filter=True,
-                      eval_every=1, eval_num_examples=3, eval_batch_size=2)
+                      eval_every=1, eval_num_examples=3, eval_batch_size=2, verify_sync="off")
     # call 0: group0 constant (dropped), group1 mixed (kept); call 1: group0 constant, group1 mixed -> done.
     script = [([1, 1, 1, 0], [3, 8, 6, 2]), ([0, 0, 0, 1], [8, 1, 5, 8])]
     eng = ScriptedEngine(load_tokenizer_for(d), script)
+    # an engine without score() cannot have its syncs content-checked: refused unless verify_sync="off" (issue 31)
+    with pytest.raises(ValueError, match="verify_sync='every_step' cannot be honoured: ScriptedEngine has no score"):
+        RLTrainer(dataclasses.replace(cfg, verify_sync="every_step"), engine=eng)
     tr = RLTrainer(cfg, engine=eng)
     tr.reward_fn = lambda text, item: 1.0 if text.startswith("y") else 0.0
 

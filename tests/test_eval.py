@@ -136,6 +136,9 @@ def test_eval_script_on_tiny_model(tiny_dir, tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     assert "accuracy (pass@1)" in r.stdout
     res = json.loads(out.read_text())
+    clip = res["metrics"]["val/math500/clip_ratio"]
+    # most answers cut at --max_tokens: the run says so and what to do (issue 31), never silently 0%
+    assert ("cut at --max_tokens=3" in r.stdout) == (clip >= 0.5), (clip, r.stdout[-500:])
     m, samples = res["metrics"], res["samples"]
     assert m["val/math500/num_examples"] == 2 and len(samples) == 4
     assert all(1 <= s["length"] <= 3 for s in samples) and "cpu" in res["device"]

@@ -92,12 +92,18 @@ class RLTrainer:
       dataset: a prompt dataset (default: ``fp8rl_jax.data.make_train_dataset(config.task, config.seed)``).
 
     Raises:
-      FileNotFoundError / ValueError: bad model source, unknown reward, bad config values.
+      FileNotFoundError / ValueError: bad model source, unknown reward, bad config values; an injected engine
+        without ``score`` while ``train.verify_sync`` asks for content checks.
     """
 
     def __init__(self, config: TrainConfig, loss_config: Any = None, engine: RolloutEngine | None = None,
                  dataset: Any = None):
         self.cfg = config
+        if engine is not None and config.verify_sync != "off" and not hasattr(engine, "score"):
+            raise ValueError(
+                f"train.verify_sync={config.verify_sync!r} cannot be honoured: {type(engine).__name__} has no "
+                "score(prompt_token_ids, continuation_ids) method, so weight syncs into it cannot be content-checked. "
+                "Give the engine a score method, or set train.verify_sync='off' to train unchecked")
         if config.max_staleness > 0 and jax.process_count() > 1:
             raise ValueError("train.max_staleness > 0 runs in one trainer process (a background rollout thread); "
                              f"this job has {jax.process_count()} JAX processes: use max_staleness=0")
@@ -339,7 +345,8 @@ class RLTrainer:
           StaleWeightsError: beyond :func:`fp8rl_jax.rollout.verify.probe_tolerance` for the rollout precision, or
             KV scales that differ from the ones sent; the message names the likely tensor group.
 
-        An engine without a ``score`` method (an injected one) is not checked: one RuntimeWarning, NaN returned.
+        An engine without a ``score`` method is refused at construction unless ``train.verify_sync="off"``; called by
+        hand on one, this warns once and returns NaN.
         """
         probe = self._probe_reference()
         if probe is None:
