@@ -111,7 +111,7 @@ def one_run(arm: str, lr: float, k: int, seed: int, steps: int, work_dir: str, l
     import gin
 
     from fp8rl_jax.trainer import TrainConfig
-    from fp8rl_jax.trainer.loop import train
+    from fp8rl_jax.trainer.run import train
 
     gin.clear_config()
     gin.parse_config_file(os.path.join(ROOT, "configs", "quickstart.gin"))  # chain_sum_dataset.* and train.*

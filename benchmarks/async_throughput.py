@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """Steps per hour of synchronous (``train.max_staleness = 0``) vs asynchronous (``max_staleness = 1, 2``) RL on
-this CPU, in the single-process thread mode (``fp8rl_jax.trainer.loop.train``: the producer is a background
+this CPU, in the single-process thread mode (``fp8rl_jax.trainer.run.train``: the producer is a background
 thread of the trainer process) and in the Ray mode (``rollout_bridge.ray_launch.launch``: one trainer actor, one
 rollout actor, shared-memory weight sync).
 
@@ -64,7 +64,8 @@ def child(mode: str, k: int, seed: int, steps: int, run_dir: str) -> dict:
     t_start = time.perf_counter()
     cfg = _config(k, seed, steps, os.path.join(run_dir, "run"))
     if mode == "thread":
-        from fp8rl_jax.trainer.loop import RLTrainer, train
+        from fp8rl_jax.trainer.loop import RLTrainer
+        from fp8rl_jax.trainer.run import train
 
         class Stamped(RLTrainer):  # wall-clock time of each step's end (cross-check of timing/step_s)
             def step(self):

@@ -15,7 +15,7 @@ Layout (verl / NeMo-RL style, reduced to what this project needs):
   timeout raises :class:`~rollout_bridge.transports.WeightSyncError`; the trainer's params and checkpoints are
   untouched, the actors refuse to generate until a later complete sync).
 - :class:`TrainerActor` wraps :class:`fp8rl_jax.trainer.RLTrainer` with the client injected and runs
-  :func:`fp8rl_jax.trainer.loop.train` (metrics, checkpoints and plots as in a single-process run).
+  :func:`fp8rl_jax.trainer.run.train` (metrics, checkpoints and plots as in a single-process run).
 
 :func:`launch` connects to an existing cluster (``address="auto"`` or ``"ray://host:10001"``) or starts a local one
 (``address=None``); for a local cluster it generates a token-auth secret under Ray's temp dir
@@ -376,9 +376,9 @@ class TrainerActor:
         self.trainer = RLTrainer(config, engine=self.client)  # the first sync happens here
 
     def train(self, num_steps: int | None = None, output_dir: str | None = None) -> list[dict[str, float]]:
-        """Run :func:`fp8rl_jax.trainer.loop.train` (``num_steps`` / ``output_dir`` override the config's; a second
+        """Run :func:`fp8rl_jax.trainer.run.train` (``num_steps`` / ``output_dir`` override the config's; a second
         call continues this trainer from its current step, into a new ``output_dir``)."""
-        from fp8rl_jax.trainer.loop import train
+        from fp8rl_jax.trainer.run import train
 
         if num_steps is not None:
             self.trainer.cfg = dataclasses.replace(self.trainer.cfg, num_steps=int(num_steps))
@@ -588,8 +588,8 @@ class TrainerHost:
         self.config = config
 
     def train(self, num_steps: int | None = None) -> list[dict[str, float]]:
-        """Build the trainer and run :func:`fp8rl_jax.trainer.loop.train` (collective: every host calls it)."""
-        from fp8rl_jax.trainer.loop import train
+        """Build the trainer and run :func:`fp8rl_jax.trainer.run.train` (collective: every host calls it)."""
+        from fp8rl_jax.trainer.run import train
 
         cfg = self.config if num_steps is None else dataclasses.replace(self.config, num_steps=int(num_steps))
         return train(cfg)

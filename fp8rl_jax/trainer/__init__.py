@@ -2,6 +2,7 @@
 
 from fp8rl_jax.trainer import distributed  # noqa: F401 (registers the gin configurable ``distributed``)
 from fp8rl_jax.trainer.config import TrainConfig
-from fp8rl_jax.trainer.loop import RLTrainer, make_optimizer, train
+from fp8rl_jax.trainer.loop import RLTrainer, make_optimizer
+from fp8rl_jax.trainer.run import train
 
 __all__ = ["TrainConfig", "RLTrainer", "make_optimizer", "train"]
