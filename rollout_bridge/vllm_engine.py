@@ -490,6 +490,8 @@ def route_vllm_logs(path: str) -> None:
     import logging
 
     os.makedirs(os.path.dirname(os.path.abspath(path)) or ".", exist_ok=True)
+    # vLLM re-applies its logging dictConfig (a stream handler on "vllm") when an engine starts, unless told not to
+    os.environ["VLLM_CONFIGURE_LOGGING"] = "0"
     log = logging.getLogger("vllm")
     if any(isinstance(h, logging.FileHandler) and h.baseFilename == os.path.abspath(path) for h in log.handlers):
         return
