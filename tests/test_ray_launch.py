@@ -9,6 +9,7 @@ usable.
 from __future__ import annotations
 
 import os
+import time
 
 import numpy as np
 import pytest
@@ -65,6 +66,12 @@ def test_trainer_and_rollout_actor_two_steps(tiny_dir, tmp_path, tmp_path_factor
 
         # rollout actor 1 dies: its prompts go to actor 0 and training goes on (later syncs skip it)
         ray.kill(job.rollout[1])
+        for _ in range(300):  # ray.kill is asynchronous: wait until the actor is really gone
+            try:
+                ray.get(job.rollout[1].fp8rl_weights_version.remote(), timeout=10)
+                time.sleep(0.1)
+            except ray.exceptions.RayActorError:
+                break
         more = ray.get(job.trainer.train.remote(3, str(tmp_path / "run_more")), timeout=600)
         assert [m["step"] for m in more][-1] == 3 and np.isfinite(more[-1]["actor/loss"])
         # step 3 trains on batch 2, sampled by version 1: installed by the producer on the live actor while the
