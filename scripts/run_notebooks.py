@@ -20,6 +20,7 @@ import json
 import os
 import platform
 import sys
+import tempfile
 import time
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
@@ -50,7 +51,11 @@ def notebook_paths(only: list[str] | None = None) -> list[str]:
 
 
 def execute(path: str, cell_timeout_s: float | None = None):
-    """Execute one notebook in a fresh kernel (cwd = its folder).
+    """Execute one notebook in a fresh kernel (cwd = its folder), with a private temporary directory.
+
+    The kernel's ``TMPDIR`` is a new directory removed once the kernel has stopped, so whatever the notebook writes
+    through :mod:`tempfile` (run directories, a 1.4 GB checkpoint in the quickstart) is gone afterwards, also when a
+    cell fails.
 
     Returns:
       ``(notebook with outputs, wall seconds)``.
@@ -67,7 +72,16 @@ def execute(path: str, cell_timeout_s: float | None = None):
     t0 = time.perf_counter()
     client = nbclient.NotebookClient(nb, timeout=timeout, kernel_name="python3",
                                      resources={"metadata": {"path": os.path.dirname(path)}})
-    client.execute()
+    with tempfile.TemporaryDirectory(prefix="fp8rl_notebook_") as tmp:
+        saved = os.environ.get("TMPDIR")
+        os.environ["TMPDIR"] = tmp  # the kernel process inherits this environment when nbclient starts it
+        try:
+            client.execute()
+        finally:
+            if saved is None:
+                os.environ.pop("TMPDIR", None)
+            else:
+                os.environ["TMPDIR"] = saved
     return nb, time.perf_counter() - t0
 
 
