@@ -98,18 +98,17 @@ class RolloutWorker(WeightReceiverMixin):
     def generate(self, prompt_token_ids, sampling_params, expected_version: int | None = None, row_offset: int = 0):
         """``RolloutEngine.generate`` of the wrapped engine; refuses while the last sync is incomplete.
 
-        ``row_offset`` (the embedded engine): index of this call's first row in the whole batch, so that chunks on
-        different actors draw independent sampling noise (see ``JaxRolloutEngine.generate``).
+        ``row_offset``: index of this call's first row in the whole batch, so that chunks on different actors draw
+        the sampling noise of the unsplit call (``JaxRolloutEngine.generate``: noise keyed by the global row;
+        ``VllmRolloutEngine.generate``: request seeds by the global prompt index).
 
         Raises:
           WeightSyncError: no complete sync yet (or the last one failed part way).
         """
         if self.engine is None or self._fp8rl_version < 0:
             raise WeightSyncError(f"{self.name}: no consistent weights (version {self._fp8rl_version}); sync first")
-        if self.kind == "jax":
-            return self.engine.generate(prompt_token_ids, sampling_params, expected_version=expected_version,
-                                        row_offset=int(row_offset))
-        return self.engine.generate(prompt_token_ids, sampling_params, expected_version=expected_version)
+        return self.engine.generate(prompt_token_ids, sampling_params, expected_version=expected_version,
+                                    row_offset=int(row_offset))
 
     def score(self, prompt_token_ids, continuation_ids):
         """``score`` of the wrapped engine (the trainer's sync content probe): per-row float32 logprobs.

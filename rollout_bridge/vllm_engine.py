@@ -381,14 +381,17 @@ class VllmRolloutEngine:
         check_weights_current(self.weights_version, expected_version, self.kv_cache_dtype, self.kv_scales_version)
 
     def generate(self, prompt_token_ids: Sequence[Sequence[int]], sampling_params: SamplingParams,
-                 expected_version: int | None = None) -> RolloutBatch:
+                 expected_version: int | None = None, row_offset: int = 0) -> RolloutBatch:
         """Sample ``n`` completions per prompt with vLLM (shapes and masks as :class:`RolloutBatch`).
 
-        A call seed ``s`` gives prompt ``i`` the vLLM request seed ``hash(s, i)`` (vLLM seeds per request; one
-        shared seed would correlate the samples of different prompts).
+        A call seed ``s`` gives prompt ``i`` the vLLM request seed ``hash(s, row_offset / n + i)`` (vLLM seeds per
+        request; one shared seed would correlate the samples of different prompts). ``row_offset`` (rows, as in
+        ``JaxRolloutEngine.generate``) is the index of this call's first row in the whole batch: a batch split into
+        chunks over several engines (``RayRolloutClient``) gets the request seeds of the unsplit call.
 
         Raises:
-          ValueError: an empty prompt or an out-of-vocabulary id.
+          ValueError: an empty prompt, an out-of-vocabulary id, or a ``row_offset`` that is negative or not a
+            multiple of ``n``.
           WeightSyncError: no successful sync yet, or the last one failed.
           StaleWeightsError: ``expected_version`` is newer than the loaded weights.
           StaleKVScalesError: FP8 KV cache whose scales are older than the weights (or were never synced).
@@ -403,8 +406,12 @@ class VllmRolloutEngine:
             raise ValueError(f"generate: a prompt of {longest} tokens + max_tokens={sp.max_tokens} exceeds vLLM's "
                              f"max_model_len={self.max_model_len} (raise train.max_prompt_length)")
         stop = sorted(set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(self.eos_token_ids)))
+        if row_offset < 0 or row_offset % sp.n:
+            raise ValueError(f"generate: row_offset={row_offset} must be a non-negative multiple of n={sp.n} (the "
+                             "index of this call's first row in the whole batch)")
+        first = int(row_offset) // sp.n
         base = sp.seed if sp.seed is not None else int(self._rng.integers(2**31))
-        seeds = np.random.SeedSequence([int(base) & 0xFFFFFFFF]).generate_state(len(prompts))
+        seeds = np.random.SeedSequence([int(base) & 0xFFFFFFFF]).generate_state(first + len(prompts))[first:]
         params = [self._sampling(sp, int(s) & 0x7FFFFFFF, stop) for s in seeds]
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
         n_rows, t = len(prompts) * sp.n, sp.max_tokens

@@ -123,6 +123,24 @@ def test_sampling_semantics_match_the_embedded_engine(trainer):
     assert not np.array_equal(rb.response_token_ids[0], rb.response_token_ids[3])  # prompts not correlated
 
 
+def test_a_split_batch_gets_the_request_seeds_of_the_unsplit_call(trainer, monkeypatch):
+    """``row_offset`` (RayRolloutClient's chunks over actors): the chunk holding prompts 1.. of a call gets the
+    vLLM request seeds those prompts get in the whole call (not the seeds of prompts 0..: correlated chunks)."""
+    eng = trainer.engine
+    seeds: list[int] = []
+    sampling = eng._sampling
+    monkeypatch.setattr(eng, "_sampling", lambda sp, seed, stop: seeds.append(seed) or sampling(sp, seed, stop))
+    sp = SamplingParams(n=2, temperature=0.7, max_tokens=2, seed=21)
+    prompts = [PROMPT, [5, 6, 7], [8, 9]]
+    eng.generate(prompts, sp)
+    whole, seeds[:] = list(seeds), []
+    tail = eng.generate(prompts[1:], sp, row_offset=2)
+    assert seeds == whole[1:] and len(set(whole)) == 3, (seeds, whole)
+    assert tail.response_token_ids.shape == (4, 2) and list(tail.prompt_index) == [0, 0, 1, 1]
+    with pytest.raises(ValueError, match="row_offset=3 must be a non-negative multiple of n=2"):
+        eng.generate(prompts[1:], sp, row_offset=3)
+
+
 def test_ignore_eos_reaches_vllm(trainer):
     """``ignore_eos`` must reach vLLM's SamplingParams, else vLLM still stops at the config's EOS id."""
     eng = trainer.engine

@@ -169,27 +169,34 @@ def math_verify_reward(completion: str, item: PromptItem, timeout_seconds: int |
     plain expressions; ``\\boxed{}`` has priority); ``math_verify.verify(gold, pred)`` decides
     (numeric equality to its default precision, symbolic equality, sets, intervals, ...).
 
-    math-verify times out with ``signal.alarm``, which works only on the main thread; off the main thread
-    this passes ``parsing_timeout=None`` and ``timeout_seconds=None`` (no timeout), so a pathological
-    completion (e.g. a power tower ``9^{9^{9^{9^{9}}}}``) can block that thread: prefer scoring on the main
-    thread or in worker processes.
+    math-verify times out with ``signal.alarm``, which works only on a process's main thread. Off the main thread
+    (the asynchronous trainer's rollout producer, docs/ASYNC.md) with a timeout, the completion is scored in a
+    worker process (one, started on first use, spawned), on its main thread, where the timeouts work; a worker
+    still busy ``2 * timeout_seconds + 30`` s later (stuck in C code that no signal interrupts, e.g. a huge
+    integer power) is killed, the completion scores 0.0 and the next call starts a new worker.
 
     Args:
       completion: model text; only its last ``max_chars`` characters are parsed (None: all).
       item: a ``PromptItem`` whose ``answer`` is a LaTeX or plain answer.
-      timeout_seconds: per-parse/compare timeout on the main thread (None: none).
+      timeout_seconds: per-parse/compare timeout in seconds (None: none, and scored in this thread).
 
     Returns:
       0.0 or 1.0; never raises on the text (parse failures, timeouts and garbage give 0.0).
     """
+    if not isinstance(completion, str) or not completion.strip():
+        return 0.0
+    if timeout_seconds is None or _on_main_thread():
+        return _math_verify_score(completion, item.answer, timeout_seconds, max_chars)
+    return _score_in_worker(completion, item.answer, timeout_seconds, max_chars)
+
+
+def _math_verify_score(completion: str, answer: str, timeout: int | None, max_chars: int | None) -> float:
+    """:func:`math_verify_reward` on this thread (``timeout`` needs the main thread: signal.alarm)."""
     from math_verify import parse, verify
     from math_verify.errors import TimeoutException
 
-    if not isinstance(completion, str) or not completion.strip():
-        return 0.0
-    timeout = timeout_seconds if _on_main_thread() else None
     try:
-        gold = _parse_gold(item.answer, timeout)
+        gold = _parse_gold(answer, timeout)
         if not gold:
             return 0.0
         text = completion[-max_chars:] if max_chars else completion
@@ -198,6 +205,40 @@ def math_verify_reward(completion: str, item: PromptItem, timeout_seconds: int |
             return 0.0
         return 1.0 if verify(gold, pred, timeout_seconds=timeout) else 0.0
     except (Exception, TimeoutException):
+        return 0.0
+
+
+_WORKER_LOCK = threading.Lock()
+_WORKER = None  # concurrent.futures.ProcessPoolExecutor with one spawned process, made on first use
+_WORKER_GRACE_S = 30.0  # beyond 2 x the timeout (worker start-up, imports) before a busy worker is killed
+
+
+def _score_in_worker(completion: str, answer: str, timeout: int, max_chars: int | None) -> float:
+    """:func:`_math_verify_score` in the worker process (its main thread: math-verify's timeouts work there);
+    a worker stuck past ``2 * timeout + _WORKER_GRACE_S`` s is killed (0.0) and replaced at the next call."""
+    import concurrent.futures
+    import multiprocessing
+    import warnings
+
+    global _WORKER
+    with _WORKER_LOCK:  # one completion at a time: one worker, and a stuck one is replaced by one caller
+        if _WORKER is None:
+            _WORKER = concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+        worker = _WORKER
+        future = worker.submit(_math_verify_score, completion, answer, timeout, max_chars)
+        limit = 2 * timeout + _WORKER_GRACE_S
+        try:
+            return future.result(timeout=limit)
+        except concurrent.futures.TimeoutError:
+            warnings.warn(f"math_verify_reward: the scoring worker ran past {limit:g} s on a completion "
+                          f"(ending {completion[-80:]!r}) despite math-verify's {timeout} s timeout; it was killed "
+                          "and the completion scored 0.0", RuntimeWarning, stacklevel=2)
+        except Exception:  # noqa: BLE001 - a worker that died (BrokenProcessPool): 0.0, a new worker next time
+            pass
+        for proc in list(getattr(worker, "_processes", {}).values()):
+            proc.kill()
+        worker.shutdown(wait=False, cancel_futures=True)
+        _WORKER = None
         return 0.0
 
 
