@@ -281,7 +281,8 @@ def test_math_verify_reward_times_out_off_main_thread(monkeypatch, recwarn):
     """Off the main thread (the async producer) math-verify's signal timeouts cannot run there: the completion is
     scored in a worker process, where they do. A power tower that math-verify cannot compare returns 0.0 after about
     the timeout (on the main thread it times out after 1 s too; unguarded in a thread it would not return); a
-    worker that stops answering (SIGSTOP) is killed after the grace period and the next call gets a new one."""
+    worker that stops answering (SIGSTOP) is killed after the grace period and the next call gets a new one; the
+    worker ignores Ctrl-C (SIGINT reaches it with the trainer's process group)."""
     import signal
 
     from fp8rl_jax.data import rewards
@@ -299,14 +300,18 @@ def test_math_verify_reward_times_out_off_main_thread(monkeypatch, recwarn):
     assert math_verify_reward(tower, _math_item("1"), timeout_seconds=1) == 0.0  # main thread: its own timeout
     assert in_thread(lambda: math_verify_reward("\\boxed{\\frac12}", _math_item("0.5"), timeout_seconds=1),
                      90)[0] == 1.0  # worker started (spawn + imports)
+    os.kill(rewards._WORKER.process.pid, signal.SIGINT)  # a Ctrl-C reaches the worker's process group too
+    time.sleep(0.5)
+    assert rewards._WORKER.process.is_alive()
     score, wall = in_thread(lambda: math_verify_reward(tower, _math_item("1"), timeout_seconds=1), 60)
     assert score == 0.0 and wall < 20, wall
     monkeypatch.setattr(rewards, "_WORKER_GRACE_S", 2.0)
-    (pid,) = list(rewards._WORKER._processes)
-    os.kill(pid, signal.SIGSTOP)
+    os.kill(rewards._WORKER.process.pid, signal.SIGSTOP)
     score, wall = in_thread(lambda: math_verify_reward("0.5", _math_item("\\frac{1}{2}"), timeout_seconds=1), 60)
     assert score == 0.0 and 3.5 < wall < 20, wall
     assert any("was killed" in str(w.message) for w in recwarn.list)
+    assert rewards._WORKER is None
+    assert in_thread(lambda: math_verify_reward("", _math_item("1"), timeout_seconds=1), 5)[0] == 0.0  # no worker
     assert rewards._WORKER is None
     assert in_thread(lambda: math_verify_reward("0.5", _math_item("\\frac{1}{2}"), timeout_seconds=1), 90)[0] == 1.0
 

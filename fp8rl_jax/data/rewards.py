@@ -171,9 +171,10 @@ def math_verify_reward(completion: str, item: PromptItem, timeout_seconds: int |
 
     math-verify times out with ``signal.alarm``, which works only on a process's main thread. Off the main thread
     (the asynchronous trainer's rollout producer, docs/ASYNC.md) with a timeout, the completion is scored in a
-    worker process (one, started on first use, spawned), on its main thread, where the timeouts work; a worker
-    still busy ``2 * timeout_seconds + 30`` s later (stuck in C code that no signal interrupts, e.g. a huge
-    integer power) is killed, the completion scores 0.0 and the next call starts a new worker.
+    worker process (one, spawned on first use, a daemon that ignores Ctrl-C), on its main thread, where the
+    timeouts work; a worker still busy ``2 * timeout_seconds + 30`` s later (stuck in C code that no signal
+    interrupts, e.g. a huge integer power) is killed with a RuntimeWarning, the completion scores 0.0 and the next
+    call starts a new worker.
 
     Args:
       completion: model text; only its last ``max_chars`` characters are parsed (None: all).
@@ -209,36 +210,80 @@ def _math_verify_score(completion: str, answer: str, timeout: int | None, max_ch
 
 
 _WORKER_LOCK = threading.Lock()
-_WORKER = None  # concurrent.futures.ProcessPoolExecutor with one spawned process, made on first use
-_WORKER_GRACE_S = 30.0  # beyond 2 x the timeout (worker start-up, imports) before a busy worker is killed
+_WORKER = None  # _ScoringWorker, started on first use
+_WORKER_GRACE_S = 30.0  # beyond 2 x the timeout before a busy worker is killed
+_WORKER_START_S = 300.0  # for a new worker to import math-verify (not counted in the kill clock)
+
+
+def _worker_main(conn) -> None:
+    """The scoring worker process: ``(completion, answer, timeout, max_chars)`` in, a score out, until the parent
+    closes the pipe or dies (EOF). Ctrl-C is the parent's to handle (SIGINT ignored here)."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    import math_verify  # noqa: F401 - imported before "ready", so the kill clock never covers it
+
+    conn.send("ready")
+    while True:
+        try:
+            args = conn.recv()
+        except (EOFError, OSError):
+            return
+        conn.send(_math_verify_score(*args))
+
+
+class _ScoringWorker:
+    """One spawned daemon process running :func:`_worker_main` over a pipe (a daemon: killed at the parent's exit;
+    it exits by itself when the parent dies)."""
+
+    def __init__(self):
+        import multiprocessing
+
+        ctx = multiprocessing.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.process = ctx.Process(target=_worker_main, args=(child,), daemon=True, name="fp8rl-math-verify")
+        self.process.start()
+        child.close()
+        if not self.conn.poll(_WORKER_START_S) or self.conn.recv() != "ready":
+            self.kill()
+            raise RuntimeError(f"the math-verify scoring worker did not start within {_WORKER_START_S:g} s")
+
+    def score(self, args: tuple, limit_s: float) -> float | None:
+        """The worker's score for ``args``, or None when it has not answered within ``limit_s`` seconds."""
+        self.conn.send(args)
+        return self.conn.recv() if self.conn.poll(limit_s) else None
+
+    def kill(self) -> None:
+        self.process.kill()
+        self.process.join(5)
+        self.conn.close()
 
 
 def _score_in_worker(completion: str, answer: str, timeout: int, max_chars: int | None) -> float:
     """:func:`_math_verify_score` in the worker process (its main thread: math-verify's timeouts work there);
-    a worker stuck past ``2 * timeout + _WORKER_GRACE_S`` s is killed (0.0) and replaced at the next call."""
-    import concurrent.futures
-    import multiprocessing
+    a worker that has not answered within ``2 * timeout + _WORKER_GRACE_S`` s is killed (0.0, warned) and a new one
+    starts at the next call; a worker that died or cannot start gives 0.0 too (never raises)."""
     import warnings
 
     global _WORKER
-    with _WORKER_LOCK:  # one completion at a time: one worker, and a stuck one is replaced by one caller
-        if _WORKER is None:
-            _WORKER = concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
-        worker = _WORKER
-        future = worker.submit(_math_verify_score, completion, answer, timeout, max_chars)
-        limit = 2 * timeout + _WORKER_GRACE_S
+    limit = 2 * timeout + _WORKER_GRACE_S
+    # one completion at a time: the worker is one process (scorers in other threads wait here, up to `limit` each)
+    with _WORKER_LOCK:
         try:
-            return future.result(timeout=limit)
-        except concurrent.futures.TimeoutError:
+            if _WORKER is None:
+                _WORKER = _ScoringWorker()
+            score = _WORKER.score((completion, answer, timeout, max_chars), limit)
+            if score is not None:
+                return score
             warnings.warn(f"math_verify_reward: the scoring worker ran past {limit:g} s on a completion "
                           f"(ending {completion[-80:]!r}) despite math-verify's {timeout} s timeout; it was killed "
-                          "and the completion scored 0.0", RuntimeWarning, stacklevel=2)
-        except Exception:  # noqa: BLE001 - a worker that died (BrokenProcessPool): 0.0, a new worker next time
-            pass
-        for proc in list(getattr(worker, "_processes", {}).values()):
-            proc.kill()
-        worker.shutdown(wait=False, cancel_futures=True)
-        _WORKER = None
+                          "and the completion scored 0.0", RuntimeWarning, stacklevel=3)
+        except Exception as e:  # noqa: BLE001 - a worker that died or cannot start: 0.0, a new worker next time
+            warnings.warn(f"math_verify_reward: the scoring worker failed ({type(e).__name__}: {e}); the completion "
+                          "scored 0.0 and a new worker starts at the next call", RuntimeWarning, stacklevel=3)
+        if _WORKER is not None:
+            _WORKER.kill()
+            _WORKER = None
         return 0.0
 
 
