@@ -7,6 +7,7 @@ killed process saved at that step.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import shutil
@@ -150,6 +151,10 @@ def test_checkpoint_contents_keep_last_k_and_extra_state(uninterrupted, tmp_path
     tr._checkpoint_hooks.pop("kv_scales")
 
 
+# orbax's failed restore (the shape mismatch below) abandons its pending read coroutines; collected later they
+# print "Exception ignored in <coroutine _read_array_index_and_device_put>" (GeneratorExit) under whichever test runs
+# then. They are collected at the end of this test instead, and those messages (orbax's, not ours) not reported.
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_missing_checkpoint_is_a_clear_error(uninterrupted, tmp_path):
     out_a, _, tr = uninterrupted
     with pytest.raises(CheckpointNotFoundError, match="no checkpoint in .*empty"):
@@ -169,6 +174,7 @@ def test_missing_checkpoint_is_a_clear_error(uninterrupted, tmp_path):
     other.save(1, state, meta)
     with pytest.raises(ValueError, match="does not match"):
         tr.restore_checkpoint(other)
+    gc.collect()
 
 
 _SAVER = r"""
