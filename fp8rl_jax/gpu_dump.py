@@ -1,6 +1,8 @@
 """Readers of XLA:GPU's dump and of compile errors, as text (no JAX needed): the GEMM instruction forms of PTX,
 ptxas's register/spill report, Pallas kernel names and custom-call targets of an optimized HLO, the kernels launched
-per iteration of a ``while`` loop (XLA's thunk sequence) and the bytes its matrix products move (the HLO's shapes).
+per iteration of a ``while`` loop (XLA's thunk sequence) and the bytes its matrix products move (the HLO's shapes),
+and the loops of a kernel's PTX with the instructions one iteration issues (:func:`ptx_loops`, :func:`wgmma_loop`:
+what :mod:`fp8rl_jax.kernel_roofline` reads per weight byte).
 
 :mod:`fp8rl_jax.gpu_target` compiles for an H100 and applies these to its dump (``analyze_dump``); the fields they
 fill are described in docs/GPU_VERIFICATION.md. Formats read: PTX ISA (``wgmma`` / ``mma`` instruction names),
@@ -10,6 +12,7 @@ fill are described in docs/GPU_VERIFICATION.md. Formats read: PTX ISA (``wgmma``
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import math
 import os
@@ -393,3 +396,194 @@ def mosaic_kernel_hashes(hlo_text: str) -> list[str]:
             if h not in out:
                 out.append(h)
     return out
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Reading a kernel's PTX loops: the instructions one iteration of a (wgmma) loop issues per thread.
+
+# PTX line directives that carry no ``;`` (debug line info, source files): dropped whole before tokenizing.
+_LINE_DIRECTIVE_RE = re.compile(r"^\s*\.(?:loc|file)\b[^\n]*$", re.M)
+# One token at a statement start inside a function body: a scope brace, a label (``$L__BB0_3:``, ``LAB_WAIT:``; not
+# a ``::`` state-space qualifier), or a statement up to its ``;`` whose vector operands (``{%r1, %r2}``) may hold
+# braces but no ``;``.
+_PTX_TOKEN_RE = re.compile(r"\s*(?:(?P<open>\{)|(?P<close>\})|(?P<label>[A-Za-z_$%][\w$]*)\s*:(?!:)"
+                           r"|(?P<stmt>[^;{}]*(?:\{[^{};]*\}[^;{}]*)*;))", re.S)
+_PTX_GUARD_RE = re.compile(r"^@!?%?[\w$]+\s+")
+_PTX_BRANCH_RE = re.compile(r"^bra(?:\.uni)?\s+([\w$]+)\s*;$")
+
+
+@dataclasses.dataclass(frozen=True)
+class PtxLoop:
+    """One loop of a PTX function: a label and the last branch back to it in the same scope
+    (:func:`ptx_loops`).
+
+    Attributes:
+      entry: the ``.entry`` function holding it.
+      label: the loop head's label (``$L__BB0_3``).
+      instructions: PTX instructions one iteration issues per thread, by static count from the label to the
+        backward branch (that branch included): every instruction once (both arms of a conditional, an inner
+        loop's body once); an inline ``{ ... }`` asm block counts the instructions in it; an mbarrier
+        ``try_wait``/``test_wait`` spin loop (a scope with the wait and a branch back inside it) counts as one
+        instruction (it is one wait when the data has arrived; its retries are latency, not issued work per
+        byte). Directives (``.reg``, ``.loc``, ``.pragma``), labels and comments do not count.
+      gemm_instructions: ``{GEMM form: occurrences}`` in the loop (:func:`gemm_instruction_counts` forms).
+      spin_waits: mbarrier spin loops in it (each counted as one instruction).
+      opcodes: ``{opcode: count}`` of the counted instructions (predicate guards dropped; a spin wait is its
+        ``mbarrier.try_wait...`` opcode), for reading what the loop spends its instructions on.
+      inner_loops: labels of the loops that lie inside this one (same entry).
+    """
+
+    entry: str
+    label: str
+    instructions: int
+    gemm_instructions: dict
+    spin_waits: int
+    opcodes: dict
+    inner_loops: tuple = ()
+
+
+def _ptx_functions(ptx: str) -> list[tuple[str, str]]:
+    """``[(entry name, body text)]`` of every ``.entry`` function: the text between its body's outer braces,
+    comments and ``.loc`` / ``.file`` lines removed.
+
+    Raises:
+      ValueError: an entry whose parameter list or body braces do not close."""
+    text = _strip_ptx_comments(_LINE_DIRECTIVE_RE.sub("", ptx))
+    out = []
+    for m in _ENTRY_RE.finditer(text):
+        close = text.find(")", m.end())
+        start = text.find("{", close) if close >= 0 else -1
+        if start < 0:
+            raise ValueError(f"PTX entry {m.group(1)}: no parameter list end or body after it")
+        depth = 0
+        for i in range(start, len(text)):
+            depth += text[i] == "{"
+            depth -= text[i] == "}"
+            if depth == 0:
+                break
+        else:
+            raise ValueError(f"PTX entry {m.group(1)}: body braces do not close")
+        out.append((m.group(1), text[start + 1:i]))
+    return out
+
+
+def _ptx_items(entry: str, body: str) -> list[tuple[str, str, tuple[int, ...]]]:
+    """Tokens of a function body as ``(kind, text, scopes)``: kind ``"label"`` (text: its name),
+    ``"directive"`` or ``"instruction"`` (text: the statement without its ``;``'s trailing blanks); ``scopes``:
+    the ids of the ``{ ... }`` scopes around it, outermost first (the body itself is id 0)."""
+    items, stack, next_id, pos = [], [0], 1, 0
+    while pos < len(body):
+        if not body[pos:].strip():
+            break
+        m = _PTX_TOKEN_RE.match(body, pos)
+        if m is None:
+            near = body[pos:pos + 80].strip().splitlines()[0] if body[pos:].strip() else ""
+            raise ValueError(f"PTX entry {entry}: cannot read the statement at {near!r}")
+        pos = m.end()
+        if m.group("open"):
+            stack.append(next_id)
+            next_id += 1
+        elif m.group("close"):
+            if len(stack) == 1:
+                raise ValueError(f"PTX entry {entry}: unbalanced '}}'")
+            stack.pop()
+        elif m.group("label"):
+            items.append(("label", m.group("label"), tuple(stack)))
+        else:
+            stmt = " ".join(m.group("stmt").split())
+            items.append(("directive" if stmt.startswith(".") else "instruction", stmt, tuple(stack)))
+    return items
+
+
+def _opcode(stmt: str) -> str:
+    """An instruction's opcode, predicate guard (``@%p1``, ``@!P1``) dropped."""
+    s = _PTX_GUARD_RE.sub("", stmt)
+    return s.split(None, 1)[0].rstrip(";")
+
+
+def _branch_target(stmt: str) -> str | None:
+    m = _PTX_BRANCH_RE.match(_PTX_GUARD_RE.sub("", stmt))
+    return m.group(1) if m else None
+
+
+def _spin_scopes(items) -> set[int]:
+    """Scopes (ids) that are mbarrier spin loops: an ``mbarrier.try_wait`` / ``test_wait`` and a branch to a label
+    of the same scope (Mosaic GPU's inline ``{ LAB_WAIT: mbarrier.try_wait... @P1 bra DONE; bra LAB_WAIT; DONE: }``)."""
+    labels: dict[int, set[str]] = {}
+    waits, branches = set(), {}
+    for kind, text, scopes in items:
+        s = scopes[-1]
+        if kind == "label":
+            labels.setdefault(s, set()).add(text)
+        elif kind == "instruction":
+            if _opcode(text).startswith(("mbarrier.try_wait", "mbarrier.test_wait")):
+                waits.update(scopes[1:])
+            t = _branch_target(text)
+            if t is not None:
+                branches.setdefault(s, set()).add(t)
+    return {s for s in waits if s != 0 and branches.get(s, set()) & labels.get(s, set())}
+
+
+def ptx_loops(ptx: str) -> list[PtxLoop]:
+    """Every loop of every ``.entry`` function in a PTX text, in order of their heads.
+
+    A loop is a label and the last branch to it after it in the same scope (a backward ``bra``), outside mbarrier
+    spin loops (those count as one instruction, see :class:`PtxLoop`); the loop body is every statement from the
+    label to that branch. Instructions are counted per thread (PTX is per-thread code): multiply by the warps that
+    run the loop for warp-instructions. Source: PTX ISA (statements end with ``;``, ``{ }`` open a scope whose
+    labels are local, ``bra`` branches), as LLVM's NVPTX back end writes it for Mosaic GPU and Triton.
+
+    Raises:
+      ValueError: text that does not read as PTX statements (the entry and the text near the place named)."""
+    out = []
+    for entry, body in _ptx_functions(ptx):
+        items = _ptx_items(entry, body)
+        spin = _spin_scopes(items)
+        in_spin = [next((s for s in scopes if s in spin), None) for _, _, scopes in items]
+        last_branch: dict[tuple[int, str], int] = {}  # (scope, target label) -> index of the last branch to it
+        for j, (kind, text, scopes) in enumerate(items):
+            t = _branch_target(text) if kind == "instruction" else None
+            if t is not None:
+                last_branch[(scopes[-1], t)] = j
+        heads = []
+        for i, (kind, text, scopes) in enumerate(items):
+            if kind == "label" and in_spin[i] is None and last_branch.get((scopes[-1], text), -1) > i:
+                heads.append((i, last_branch[(scopes[-1], text)], text))
+        for i, j, label in heads:
+            opcodes: Counter = Counter()
+            seen_spin: set[int] = set()
+            gemm: Counter = Counter()
+            for idx in range(i, j + 1):
+                kind, text, _ = items[idx]
+                if kind != "instruction":
+                    continue
+                gemm.update(_GEMM_RE.findall(text))
+                s = in_spin[idx]
+                if s is not None:
+                    if s in seen_spin or not _opcode(text).startswith("mbarrier."):
+                        continue
+                    seen_spin.add(s)
+                opcodes[_opcode(text)] += 1
+            inner = tuple(lab for i2, j2, lab in heads if i < i2 and j2 <= j)
+            out.append(PtxLoop(entry=entry, label=label, instructions=sum(opcodes.values()),
+                               gemm_instructions=dict(sorted(gemm.items())), spin_waits=len(seen_spin),
+                               opcodes=dict(sorted(opcodes.items())), inner_loops=inner))
+    return out
+
+
+def wgmma_loop(ptx: str) -> PtxLoop:
+    """The compute loop of a Hopper kernel: the innermost loop of :func:`ptx_loops` that holds
+    ``wgmma.mma_async`` instructions (when several do, e.g. peeled copies, the one with the most instructions: the
+    upper estimate).
+
+    Raises:
+      ValueError: no loop in the PTX holds a ``wgmma.mma_async`` (the loops found are named), or the PTX does not
+        read (:func:`ptx_loops`)."""
+    loops = ptx_loops(ptx)
+    with_wgmma = [lp for lp in loops if any(f.startswith("wgmma.") for f in lp.gemm_instructions)]
+    inner = [lp for lp in with_wgmma
+             if not any(o.entry == lp.entry and o.label in lp.inner_loops for o in with_wgmma)]
+    if not inner:
+        found = ", ".join(f"{lp.entry}:{lp.label} ({lp.instructions} instructions)" for lp in loops) or "none"
+        raise ValueError(f"no loop holding wgmma.mma_async in the PTX (loops found: {found})")
+    return max(inner, key=lambda lp: lp.instructions)

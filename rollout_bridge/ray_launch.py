@@ -484,8 +484,8 @@ def _ensure_ray(address: str | None, ray_init_kwargs: dict | None, env_keys: tup
     ray.init(address=address, **kw)
 
 
-def start(config, *, num_rollout_actors: int = 1, rollout_engine: str = "jax", transport: str = "shm",
-          address: str | None = None, cpus_per_actor: float = 1, gpus_per_actor: float = 0,
+def start(config, *, num_rollout_actors: int = 1, rollout_engine: str | None = None, transport: str = "shm",
+          address: str | None = None, cpus_per_actor: float = 1, gpus_per_actor: float | None = None,
           engine_kwargs: dict | None = None, weight_target: str | None = None, ray_init_kwargs: dict | None = None,
           placement_timeout_s: float = 300.0, client_kwargs: dict | None = None,
           gin_config: str | None = None) -> RayJob:
@@ -494,11 +494,15 @@ def start(config, *, num_rollout_actors: int = 1, rollout_engine: str = "jax", t
     Args:
       config: :class:`fp8rl_jax.trainer.TrainConfig` of the run.
       num_rollout_actors: N rollout actors.
-      rollout_engine: ``"jax"`` (embedded) or ``"vllm"``.
+      rollout_engine: ``"jax"`` (embedded) or ``"vllm"``; None (default): ``config.rollout_engine``.
       transport: ``"shm"`` (all actors on one node, ``STRICT_PACK``) or ``"dist"`` (``PACK``, may span nodes).
       address: existing cluster (``"auto"``, ``"ray://head:10001"``); None starts a local cluster.
-      cpus_per_actor, gpus_per_actor: resources of every bundle (trainer and rollout alike).
-      engine_kwargs: rollout engine arguments (default: from ``config``: precision, seed, KV cache).
+      cpus_per_actor, gpus_per_actor: resources of every bundle (trainer and rollout alike); ``gpus_per_actor``
+        None (default): the cluster's GPUs split evenly over the bundles
+        (:func:`fp8rl_jax.trainer.launch.auto_gpus_per_bundle`; 0 on a CPU cluster).
+      engine_kwargs: rollout engine arguments (default: from ``config``: precision, seed, KV cache; for vLLM also
+        ``max_model_len`` and the KV-cache budget sized from the run as the single-process engine does,
+        :func:`rollout_bridge.vllm_engine.size_kv_cache`, for this actor's share of the batch).
       weight_target: what actors load (default ``"native"`` for ``"jax"``; for ``"vllm"`` the rollout precision,
         with ``"fp8"`` resolved by :func:`rollout_bridge.vllm_engine.resolve_weight_target`: ``"fp8"`` with GPUs
         and a 128-aligned architecture, else ``"bf16"``).
@@ -518,6 +522,8 @@ def start(config, *, num_rollout_actors: int = 1, rollout_engine: str = "jax", t
     from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+    if rollout_engine is None:
+        rollout_engine = config.rollout_engine
     if rollout_engine not in ROLLOUT_KINDS:
         raise ValueError(f"unknown rollout_engine {rollout_engine!r}; expected one of {ROLLOUT_KINDS}")
     if transport not in RAY_TRANSPORTS:
@@ -525,9 +531,12 @@ def start(config, *, num_rollout_actors: int = 1, rollout_engine: str = "jax", t
     if num_rollout_actors < 1:
         raise ValueError(f"num_rollout_actors must be >= 1, got {num_rollout_actors}")
     _ensure_ray(address, ray_init_kwargs, ("JAX_PLATFORMS", "HF_HUB_OFFLINE", "PYTHONPATH"))
+    strategy = "STRICT_PACK" if transport == "shm" else "PACK"
+    if gpus_per_actor is None:
+        gpus_per_actor = _auto_gpus(num_rollout_actors + 1, strategy,
+                                    f"the trainer and {num_rollout_actors} rollout actor(s)")
     bundle = {"CPU": cpus_per_actor, **({"GPU": gpus_per_actor} if gpus_per_actor else {})}
-    pg = placement_group([dict(bundle) for _ in range(num_rollout_actors + 1)],
-                         strategy="STRICT_PACK" if transport == "shm" else "PACK")
+    pg = placement_group([dict(bundle) for _ in range(num_rollout_actors + 1)], strategy=strategy)
     try:
         ray.get(pg.ready(), timeout=placement_timeout_s)
     except ray.exceptions.GetTimeoutError as e:
@@ -540,8 +549,7 @@ def start(config, *, num_rollout_actors: int = 1, rollout_engine: str = "jax", t
                                  kv_cache_dtype=config.kv_cache_dtype, kv_cache_memory_bytes=config.kv_cache_memory_bytes,
                                  fp8_attention=config.fp8_attention)
         else:
-            engine_kwargs = dict(seed=config.seed, kv_cache_dtype=config.kv_cache_dtype,
-                                 kv_cache_memory_bytes=config.kv_cache_memory_bytes)
+            engine_kwargs = _vllm_actor_kwargs(config, model_cfg, num_rollout_actors)
     _fill_token_ids(config, engine_kwargs)
     if weight_target is None:
         if rollout_engine == "jax":
@@ -604,7 +612,7 @@ def _node_address() -> str:
 
 
 def launch_multihost(config, *, num_processes: int, address: str | None = None, cpus_per_process: float = 1,
-                     gpus_per_process: float = 0, spread: bool = False, num_steps: int | None = None,
+                     gpus_per_process: float | None = None, spread: bool = False, num_steps: int | None = None,
                      ray_init_kwargs: dict | None = None, gin_config: str | None = None,
                      placement_timeout_s: float = 300.0) -> list[dict[str, float]]:
     """Train with one JAX process per bundle (``jax.distributed``; the coordinator on bundle 0's node), each with
@@ -614,7 +622,8 @@ def launch_multihost(config, *, num_processes: int, address: str | None = None, 
       config: the run's ``TrainConfig`` (``train.mesh`` should span all processes' devices, e.g. ``data=N``).
       num_processes: JAX processes (one per host on a GPU cluster).
       address: existing Ray cluster, or None for a local one.
-      cpus_per_process, gpus_per_process: each process's bundle.
+      cpus_per_process, gpus_per_process: each process's bundle; ``gpus_per_process`` None (default): the
+        cluster's GPUs split over the processes (:func:`fp8rl_jax.trainer.launch.auto_gpus_per_bundle`).
       spread: one process per node (``STRICT_SPREAD``); default ``PACK`` (a local test fits on one node).
       num_steps: override of ``config.num_steps``.
       ray_init_kwargs, gin_config, placement_timeout_s: as :func:`start`.
@@ -632,8 +641,11 @@ def launch_multihost(config, *, num_processes: int, address: str | None = None, 
     if num_processes < 1:
         raise ValueError(f"num_processes must be >= 1, got {num_processes}")
     _ensure_ray(address, ray_init_kwargs, ("HF_HUB_OFFLINE", "PYTHONPATH", "XLA_FLAGS"))
+    strategy = "STRICT_SPREAD" if spread else "PACK"
+    if gpus_per_process is None:
+        gpus_per_process = _auto_gpus(num_processes, strategy, f"{num_processes} trainer processes")
     bundle = {"CPU": cpus_per_process, **({"GPU": gpus_per_process} if gpus_per_process else {})}
-    pg = placement_group([dict(bundle) for _ in range(num_processes)], strategy="STRICT_SPREAD" if spread else "PACK")
+    pg = placement_group([dict(bundle) for _ in range(num_processes)], strategy=strategy)
     try:
         ray.get(pg.ready(), timeout=placement_timeout_s)
     except ray.exceptions.GetTimeoutError as e:
@@ -654,6 +666,39 @@ def launch_multihost(config, *, num_processes: int, address: str | None = None, 
         for a in actors:
             ray.kill(a)
         remove_placement_group(pg)
+
+
+def _auto_gpus(num_bundles: int, strategy: str, who: str) -> float:
+    """GPUs per bundle from the connected cluster's live nodes (:func:`~fp8rl_jax.trainer.launch.auto_gpus_per_bundle`),
+    printed with what it was split over."""
+    import ray
+
+    from fp8rl_jax.trainer.launch import auto_gpus_per_bundle
+
+    nodes = [float(n.get("Resources", {}).get("GPU", 0.0)) for n in ray.nodes() if n.get("Alive", True)]
+    gpus = auto_gpus_per_bundle(nodes, num_bundles, strategy)
+    print(f"ray launch: the cluster has {sum(nodes):g} GPU(s) on {len(nodes)} node(s): {gpus:g} per bundle for {who} "
+          f"({strategy}; set ray_launch.gpus_per_actor / --gpus_per_actor to choose)", flush=True)
+    return gpus
+
+
+def _vllm_actor_kwargs(config, model_cfg, num_actors: int) -> dict:
+    """:class:`~rollout_bridge.vllm_engine.VllmRolloutEngine` arguments of one of ``num_actors`` vLLM rollout actors,
+    sized from the run as :func:`~rollout_bridge.vllm_engine.make_engine` sizes the single-process engine: the
+    actor serves its share of the batch's rows (``max_num_seqs``), ``max_model_len`` = prompt + response budget,
+    the KV-cache budget ``train.kv_cache_memory_bytes`` or enough for those rows; R3 routing records for an MoE
+    model with ``train.routing_replay``."""
+    from rollout_bridge.vllm_engine import size_kv_cache
+
+    rows = config.prompts_per_step * config.samples_per_prompt
+    max_num_seqs = max(-(-rows // max(int(num_actors), 1)), 8)
+    max_model_len, kv_bytes = size_kv_cache(config, model_cfg, max_num_seqs)
+    kw = dict(seed=config.seed, kv_cache_dtype=config.kv_cache_dtype, kv_cache_memory_bytes=kv_bytes,
+              max_model_len=max_model_len, max_num_seqs=max_num_seqs)
+    if getattr(config, "routing_replay", False) and any(model_cfg.is_sparse_layer(i)
+                                                       for i in range(model_cfg.num_hidden_layers)):
+        kw["return_routed_experts"] = True
+    return kw
 
 
 def _model_config(config):

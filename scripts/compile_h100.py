@@ -23,6 +23,10 @@ program is built from abstract arguments (``jax.ShapeDtypeStruct`` on a mesh of 
 * ``export_*``: the per-step FP8 export program (``fp8rl_jax.export._export``, as ``export_weights`` runs it:
   finiteness flags included) of float32 master weights at Qwen3-8B widths, plain and fused (the embedded engine's
   ``qkv_proj`` / ``gate_up_proj``), and of Qwen3-30B-A3B's expert stacks (``expert_stacks=True``); 2 layers.
+* ``decode_gemm_*``: the FP8 decode GEMM kernel alone (``fp8rl_jax.kernels.decode_gemm_mgpu.decode_w8a8_matmul``,
+  swap-AB wgmma, Mosaic GPU) at each Qwen3-8B decode shape (qkv, o_proj, gate_up, down_proj) and Qwen3-30B-A3B
+  attention shape (qkv, o_proj), M = 1, 16, 64 tokens, with ``choose_config``'s configuration (what the kernel ships
+  when called without one); one shape per compile (3-7 s each), so each PTX belongs to one record.
 
 Vocabulary: every program keeps the real 151,936 (the logits, sampling and ``lm_head`` GEMM compile at their real
 shape; only the layer count is cut).
@@ -37,9 +41,18 @@ a generate program ``kernels_per_token`` (device launches per decode step at 2 l
 ``kernels_per_layer_per_token`` ((4-layer count - 2-layer count) / 2), ``gemm_bytes_per_layer_per_token`` (bytes
 the decode loop's matrix-product launches move per layer: ``fp8rl_jax.gpu_dump.loop_body_gemm_bytes``, the same
 difference) beside ``weight_bytes_per_layer`` and ``active_weight_bytes_per_layer`` (a layer's weights as the engine
-holds them; MoE: the top-k experts one token reads). Results: ``<output_dir>/h100_compile.json``
-and ``.md``. Exit status: 0 when every program compiled, 1 when any failed (each named with its error; the others
-are still compiled and written), 2 for a bad flag or a Python without the CUDA plugin.
+holds them; MoE: the top-k experts one token reads).
+
+``h100_compile.json`` also has ``"kernels"``: one roofline record per ``decode_gemm_*`` program
+(:func:`fp8rl_jax.kernel_roofline.decode_kernel_record`: ``name``, ``shape``, ``m``, ``config``, ``grid``,
+``wave_efficiency``, ``bytes_in_flight_per_sm`` from the configuration's ``roofline()``;
+``loop_instructions_per_weight_byte`` read from the kernel's PTX (its wgmma loop's per-thread instructions x the
+compute warps / the weight bytes of one K step); ``registers`` and ``spills`` from ptxas), and ``.md`` a table of
+them. Results: ``<output_dir>/h100_compile.json`` and ``.md``. Exit status: 0 when every program compiled and every
+decode GEMM record passes issue 37's roofline checks; 1 when a program failed (each named with its error; the
+others are still compiled and written) or a record misses a check (``ROOFLINE <program>: <metric> ...`` on stderr:
+``wave_efficiency < 0.9``, ``bytes_in_flight_per_sm < 24576``, ``loop_instructions_per_weight_byte > 0.15``, any
+spilled byte, or a metric that could not be read); 2 for a bad flag or a Python without the CUDA plugin.
 
 Programs run in ``--jobs`` worker processes (default 2: on a 2-core machine two compiles side by side finish sooner
 than one after the other, since a compile leaves a core idle part of the time); a worker that crashes fails only its
@@ -77,6 +90,9 @@ LAYERS, LAYERS_FOR_COUNT = 2, 4
 # workers finish together. Only the order depends on them.
 GENERATE_COST = {"bf16": (7, 9), "fp8": (10, 20), "fp8_kv": (12, 22), "moe_fp8": (17, 32)}  # (b=1, b=128)
 TRAIN_COST = {"bf16": 10, "fp16": 12, "fp8": 31, "fp8_e4m3": 35, "fp8_e5m2": 63, "moe_tiled": 14}
+KERNEL_COST = 4
+#: tokens of the decode GEMM kernel programs (``decode_gemm_*``): b=1, a small and the largest decode batch
+DECODE_GEMM_TOKENS = (1, 16, 64)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,6 +108,9 @@ class Program:
     devices: int = 1
     fp8_grad: str = "bf16"
     fuse: bool = False
+    projection: str = ""  # kernel: which GEMM of the model (qkv, o_proj, gate_up, down_proj)
+    n: int = 0  # kernel: weight rows N of the [M, K] x [N, K] product (M is ``batch``)
+    k: int = 0  # kernel: reduction K
     cost: float = 10.0  # about the compile seconds, to start the longest first
     describe: str = ""
 
@@ -123,6 +142,15 @@ def _programs() -> list[Program]:
                       describe="FP8 export, fused qkv/gate_up, Qwen3-8B widths"),
               Program("export_moe_fp8_stacks", "export", "30b-a3b", cost=4,
                       describe="FP8 export, expert stacks, Qwen3-30B-A3B widths")]
+    from fp8rl_jax.kernels.decode_gemm_mgpu import QWEN3_8B_DECODE, QWEN3_30B_A3B_DECODE
+
+    for model, shapes in (("8b", QWEN3_8B_DECODE), ("30b-a3b", QWEN3_30B_A3B_DECODE)):
+        for proj, n, k in shapes:
+            for m in DECODE_GEMM_TOKENS:
+                progs.append(Program(f"decode_gemm_{model.replace('-', '_')}_{proj}_m{m}", "kernel", model, "fp8",
+                                     batch=m, projection=proj, n=n, k=k, cost=KERNEL_COST,
+                                     describe=f"FP8 decode GEMM (swap-AB wgmma), Qwen3-{model.upper()} {proj} "
+                                              f"N={n} K={k}, M={m}, choose_config's configuration"))
     return progs
 
 
@@ -185,7 +213,50 @@ def build(p: Program, layers: int):
         kw = dict(fmt="fp8_blockwise", block_size=BLOCK_SIZE, ue8m0=False, unquantized=(), check=True, stack=False,
                   fused=fused, keep_stacks=bool(cfg.num_experts))
         return _export, (params,), kw, mesh
+    if p.kind == "kernel":
+        fn, args, _ = decode_gemm_program(p)
+        return fn, args, {}, mesh
     raise ValueError(f"unknown program kind {p.kind!r}")
+
+
+def decode_gemm_program(p: Program):
+    """``(fn, abstract args, config)`` of a ``decode_gemm_*`` program: ``decode_w8a8_matmul`` of e4m3
+    ``[M, K]`` tokens (1x128 scales) and an e4m3 ``[N, K]`` weight (128x128 scales) with ``choose_config(N, K, M)``,
+    the configuration the kernel ships when called without one (passed explicitly, so that the record's
+    configuration is the compiled one)."""
+    import jax
+    import jax.numpy as jnp
+
+    from fp8rl_jax.kernels.decode_gemm_mgpu import choose_config, decode_w8a8_matmul
+
+    m, n, k = p.batch, p.n, p.k
+    cfg = choose_config(n, k, m)
+    s = jax.ShapeDtypeStruct
+    args = (s((m, k), jnp.float8_e4m3fn), s((m, -(-k // 128)), jnp.float32), s((n, k), jnp.float8_e4m3fn),
+            s((-(-n // 128), -(-k // 128)), jnp.float32))
+    return (lambda xq, xs, wq, ws: decode_w8a8_matmul(xq, xs, wq, ws, config=cfg)), args, cfg
+
+
+def kernel_record(p: Program, dump: str) -> dict:
+    """The roofline record of a ``decode_gemm_*`` program from its dump (:mod:`fp8rl_jax.kernel_roofline`): the
+    configuration's grid, wave efficiency and bytes in flight; the wgmma loop's instructions per weight byte read
+    from the kernel's PTX; registers and spills from its ptxas report. A reading error gives a record with the
+    metrics it could not read as None and ``error`` (the check then fails on them)."""
+    from fp8rl_jax.kernel_roofline import decode_kernel_record, find_kernel_ptx
+
+    _, _, cfg = decode_gemm_program(p)
+    proj = f"Qwen3-{p.model.upper()} {p.projection}"
+    try:
+        ptx, report = find_kernel_ptx(dump)
+        return decode_kernel_record(p.name, p.n, p.k, p.batch, ptx, report, cfg=cfg, projection=proj)
+    except (OSError, ValueError) as e:
+        from fp8rl_jax.kernels.decode_gemm_mgpu import roofline
+
+        r = roofline(cfg, p.n, p.k, p.batch)
+        return {"name": p.name, "shape": {"projection": proj, "n": p.n, "k": p.k}, "m": p.batch,
+                "config": dataclasses.asdict(cfg), "grid": list(r.grid), "wave_efficiency": round(r.wave_efficiency, 4),
+                "bytes_in_flight_per_sm": r.bytes_in_flight_per_sm, "loop_instructions_per_weight_byte": None,
+                "registers": None, "spills": None, "error": f"{type(e).__name__}: {e}"}
 
 
 def run_task(task: str, dump_root: str, keep_dumps: bool) -> dict:
@@ -204,6 +275,8 @@ def run_task(task: str, dump_root: str, keep_dumps: bool) -> dict:
     try:
         fn, args, kw, mesh = build(p, layers)
         r = compile_for_h100(fn, *args, mesh=mesh, dump_dir=dump, **kw)
+        if p.kind == "kernel":  # read the kernel's PTX before its dump goes
+            out["kernel"] = kernel_record(p, dump)
     except Exception as e:  # any trace / lower / compile error: reported, the other programs go on
         out.update(compiled=False, compile_s=round(time.perf_counter() - t0, 1), error=compile_error_summary(e),
                    error_detail=(f"{type(e).__name__}: {e}"[:6000] + "\n" + traceback.format_exc()[-3000:]))
@@ -354,9 +427,14 @@ def run_tasks(tasks: list[str], jobs: int, dump_root: str, keep_dumps: bool, log
 def _progress(res: dict) -> None:
     status = "ok" if res.get("compiled") else "FAILED"
     extra = ""
+    kr = res.get("kernel")
+    if kr is not None:
+        ipb = kr.get("loop_instructions_per_weight_byte")
+        extra = (f", {ipb:.4f} loop warp-instructions / weight byte" if ipb is not None
+                 else f", loop not read: {kr.get('error')}")
     if res.get("compiled") and res.get("loop_body_kernels") is not None and res["name"].startswith("generate"):
         extra = f", {res['loop_body_kernels']} kernels per loop iteration"
-    print(f"[compile_h100] {res['task']:<28} {status:<6} {res['compile_s']:7.1f} s{extra}", flush=True)
+    print(f"[compile_h100] {res['task']:<30} {status:<6} {res['compile_s']:7.1f} s{extra}", flush=True)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -376,6 +454,9 @@ def merge(names: list[str], results: dict[str, dict]) -> list[dict]:
                "pallas_kernels": r.get("pallas_kernels"), "spills": r.get("spills"),
                "custom_calls": r.get("custom_calls"), "memory": r.get("memory"),
                "notes": r.get("notes") or []}
+        if p.kind == "kernel":
+            rec["batch"] = p.batch
+            rec["kernel"] = r.get("kernel") if r.get("compiled") else None
         if not r.get("compiled"):  # paths relative to the repository (the results are committed)
             rec["error"] = (r.get("error") or "").replace(ROOT + os.sep, "")
             rec["error_detail"] = (r.get("error_detail") or "").replace(ROOT + os.sep, "")
@@ -449,12 +530,16 @@ def _short_gemm(form: str) -> str:
 def write_outputs(records: list[dict], out_dir: str, jax_version: str, wall_s: float, jobs: int,
                   command: str) -> tuple[str, str]:
     """Write ``h100_compile.json`` (the records of :func:`merge` and the run's settings) and ``h100_compile.md``
-    (one table row per program, then each failure's error lines) under ``out_dir``; returns their paths."""
+    (one table row per program, then the decode GEMM kernels' roofline table, then each failure's error lines)
+    under ``out_dir``; returns their paths. The JSON's ``"kernels"``: :func:`kernel_records`."""
     from fp8rl_jax.gpu_target import TARGET_DESCRIPTION
+    from fp8rl_jax.kernel_roofline import (MAX_LOOP_INSTRUCTIONS_PER_WEIGHT_BYTE, MIN_BYTES_IN_FLIGHT_PER_SM,
+                                           MIN_WAVE_EFFICIENCY, markdown_table)
 
     os.makedirs(out_dir, exist_ok=True)
-    doc = {"programs": records, "jax": jax_version, "target": TARGET_DESCRIPTION, "wall_s": round(wall_s, 1),
-           "jobs": jobs, "command": command, "host_cpus": os.cpu_count(),
+    kernels = kernel_records(records)
+    doc = {"programs": records, "kernels": kernels, "jax": jax_version, "target": TARGET_DESCRIPTION,
+           "wall_s": round(wall_s, 1), "jobs": jobs, "command": command, "host_cpus": os.cpu_count(),
            "settings": {"layers": LAYERS, "layers_for_kernel_count": LAYERS_FOR_COUNT, "prompt_len": PROMPT_LEN,
                         "max_tokens": MAX_TOKENS, "train_rows": TRAIN_ROWS, "train_prompt": TRAIN_PROMPT,
                         "train_response": TRAIN_RESPONSE, "vocab": "real (151936)"}}
@@ -505,6 +590,20 @@ def write_outputs(records: list[dict], out_dir: str, jax_version: str, wall_s: f
         libs = "<br>".join(f"{t} x{n}" for t, n in (r.get("custom_calls") or {}).items()
                            if t not in ("__gpu$xla.gpu.triton", "mosaic_gpu_v2", "mosaic_gpu"))
         lines.append(f"| {r['name']} | {ok} | {secs} | {kpl} | {mib} | {gemm} | {pallas} | {libs} | {temp} |")
+    if kernels:
+        lines += ["", "## FP8 decode GEMM kernels: the roofline read from the compiled code", "",
+                  "Each `decode_gemm_*` program compiles `decode_w8a8_matmul` (the swap-AB FP8 wgmma kernel, "
+                  "`fp8rl_jax/kernels/decode_gemm_mgpu.py`) alone at one shape with `choose_config`'s "
+                  "configuration. Grid, wave efficiency (CTAs / (waves x CTAs per wave) on 132 SMs) and KiB in "
+                  "flight per SM (the TMA ring x CTAs resident per SM) follow from the configuration "
+                  "(`roofline()`); loop instructions per weight byte are READ FROM THE PTX: the per-thread "
+                  "instructions of one iteration of the wgmma loop (one 128-wide K step; an mbarrier spin wait "
+                  "counts once) x the compute warpgroups' warps / the weight bytes of that step (cta_n x 128), "
+                  "beside the kernel module's estimate (`loop_instruction_count`); registers and spilled bytes "
+                  "from ptxas. Checks (issue 37; a miss is in bold and fails the run): wave efficiency >= "
+                  f"{MIN_WAVE_EFFICIENCY}, in flight >= {MIN_BYTES_IN_FLIGHT_PER_SM // 1024} KiB per SM, "
+                  f"<= {MAX_LOOP_INSTRUCTIONS_PER_WEIGHT_BYTE} loop instructions per weight byte, no spill.", ""]
+        lines += markdown_table(kernels)
     failed = [r for r in records if not r["compiled"]]
     if failed:
         lines += ["", "## Failures", ""]
@@ -514,6 +613,11 @@ def write_outputs(records: list[dict], out_dir: str, jax_version: str, wall_s: f
     with open(mpath, "w") as f:
         f.write("\n".join(lines) + "\n")
     return jpath, mpath
+
+
+def kernel_records(records: list[dict]) -> list[dict]:
+    """The roofline records (``"kernels"`` of h100_compile.json) of the compiled ``decode_gemm_*`` programs."""
+    return [r["kernel"] for r in records if r.get("kind") == "kernel" and r.get("kernel")]
 
 
 def main(argv=None) -> int:
@@ -536,7 +640,7 @@ def main(argv=None) -> int:
         return worker_main(args.dump_root, args.worker_keep)
     if args.list:
         for prog in PROGRAMS.values():
-            print(f"{prog.name:<26} {prog.describe}")
+            print(f"{prog.name:<30} {prog.describe}")
         return 0
     names = list(PROGRAMS)
     if args.only:
@@ -586,7 +690,14 @@ def main(argv=None) -> int:
     for r in failed:
         print(f"FAILED {r['name']}: " + "\n    ".join((r.get("error") or "").strip().splitlines()[:6]),
               file=sys.stderr)
-    return 1 if failed else 0
+    from fp8rl_jax.kernel_roofline import known_shortfalls, roofline_violations
+
+    slow = [v for rec in kernel_records(records) for v in roofline_violations(rec)]
+    for v in slow:
+        print(f"ROOFLINE {v}", file=sys.stderr)
+    for v in known_shortfalls(kernel_records(records)):
+        print(f"ROOFLINE (known shortfall, not a failure) {v}")
+    return 1 if failed or slow else 0
 
 
 if __name__ == "__main__":

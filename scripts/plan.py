@@ -1,8 +1,8 @@
 #!/usr/bin/env python
-"""Plan a run before it goes to a cluster: compile the train step and the rollout step for a mesh, no weights.
+r"""Plan a run before it goes to a cluster: compile the train step and the rollout step for a mesh, no weights.
 
     python scripts/plan.py --gin_file=configs/paper/exp1_dense_w8a8.gin --mesh=fsdp=8 --micro_batch_size=8
-    python scripts/plan.py --gin_file=configs/paper/exp2_moe_w8a8.gin --mesh=fsdp=8 --device_memory_gib=80 \\
+    python scripts/plan.py --gin_file=configs/paper/exp2_moe_w8a8.gin --mesh=fsdp=8 --device_memory_gib=80 \
         --seq_len=4096 --json=plan.json
 
 Everything is abstract (``jax.ShapeDtypeStruct`` with the rules' ``NamedSharding``; the model built with
@@ -11,8 +11,10 @@ the embedded engine's generation program) are lowered and compiled ahead of time
 ``compiled.memory_analysis()`` gives the per-device bytes of arguments, outputs and temporaries. Without enough
 devices here, fake ones are made (``--xla_force_host_platform_device_count``, set by this script for itself).
 
-The model comes from ``train.model``: an HF directory's ``config.json`` when it exists on this machine, else the
-preset named by the path (``/models/Qwen3-8B-Base`` -> :mod:`fp8rl_jax.models.presets`).
+The model comes from ``train.model``: an HF directory's ``config.json`` when it exists on this machine (or, for a hub
+name such as ``Qwen/Qwen3-8B``, in a local Hugging Face cache: docs/ASSETS.md), else the preset named by the path (``/models/Qwen3-8B-Base`` -> :mod:`fp8rl_jax.models.presets`). The gin flags are those of
+scripts/train.py (every namespace: ``train``, ``LossConfig``, ``RolloutCorrectionConfig``, ``mesh``, the datasets,
+...); ``python scripts/train.py --print_config`` lists every bindable parameter with its default.
 
 What a CPU compile can and cannot tell about GPU memory: the argument and output sizes (parameters, optimizer state,
 batch, KV cache: their shapes and shardings) are exact for any backend. The temporaries are XLA:CPU's buffer
@@ -59,6 +61,13 @@ def _model_config(source: str):
 
     if os.path.exists(source) or source in PACKAGED_MODELS:  # a checkpoint here, or a packaged one (quickstart)
         return load_model_config(source), source
+    from fp8rl_jax.assets import HFCacheMissError, parse_hub_id
+
+    if parse_hub_id(source) is not None:  # "Qwen/Qwen3-8B": its config from a local Hugging Face cache, if there
+        try:
+            return load_model_config(source), source
+        except HFCacheMissError:
+            pass  # not cached here: the preset of that name
     cfg = preset_for(source)
     if cfg is None:
         raise ValueError(f"train.model={source!r} is not on this machine and names no preset "
@@ -123,6 +132,8 @@ def train_step_program(cfg, model_cfg, mesh, rows: int, prompt_len: int, respons
     batch = {"prompt_ids": ((rows, prompt_len), jnp.int32), "prompt_mask": ((rows, prompt_len), jnp.bool_),
              "response_ids": ((rows, t), jnp.int32), "response_mask": ((rows, t), jnp.float32),
              "rollout_logprobs": ((rows, t), jnp.float32), "advantages": ((rows,), jnp.float32)}
+    if loss_config is not None and getattr(loss_config, "use_kl_loss", False):  # the reference's logprobs (KL term)
+        batch["ref_logprobs"] = ((rows, t), jnp.float32)
     lead = micro_batch_size if (micro_batch_size and micro_batch_size < rows) else rows
     b_abs = {k: jax.ShapeDtypeStruct(s, d, sharding=batch_sharding(mesh, (lead,) + s[1:])) for k, (s, d) in batch.items()}
     opts = StepOptions(loss_config=loss_config or objectives.LossConfig(), temperature=cfg.temperature,

@@ -14,7 +14,11 @@ Training precision is one gin line: ``train.train_precision = "bf16"`` | ``"fp16
 ``"float32"``). Checkpoints: ``train.checkpoint_every`` / ``train.keep_checkpoints`` (orbax, async).
 
 ``--gin_file`` and ``--gin_param`` may repeat; bindings use the names of ``fp8rl_jax.trainer.TrainConfig``
-(``train.*``), ``LossConfig.*`` (policy loss and rollout correction) and ``chain_sum_dataset.*``.
+(``train.*``), ``LossConfig.*`` / ``RolloutCorrectionConfig.*`` (policy loss and rollout correction), the datasets
+(``chain_sum_dataset.*``, ``prompt_file_dataset.*``, ...), ``mesh.*``, ``distributed.*`` and ``ray_launch.*``;
+``--print_config`` prints every bindable parameter of every namespace with its default (and what the given gin
+files bind). A gin file's ``include 'configs/quickstart.gin'`` is looked up next to that file, then in the
+repository root, so configs work from any working directory.
 Exit status 2 with a one-line message for a bad gin file or binding, a bad run directory, or a model file that
 cannot be loaded (set FP8RL_DEBUG=1 for the traceback); 130 on Ctrl-C, naming the checkpoint kept.
 """
@@ -27,7 +31,8 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from fp8rl_jax.trainer.cli import add_gin_flags, config_from_gin_flags, error_line, fail  # noqa: E402
+from fp8rl_jax.trainer.cli import (  # noqa: E402
+    add_gin_flags, bindable_config_text, config_from_gin_flags, error_line, fail, missing_path_error, parse_gin_flags)
 
 
 def main(argv=None) -> int:
@@ -44,12 +49,21 @@ def main(argv=None) -> int:
     parser.add_argument("--num_processes", type=int, default=None, help="multi-host: processes in the job")
     parser.add_argument("--process_id", type=int, default=None, help="multi-host: this process's index")
     args = parser.parse_args(argv)
+    if args.print_config:
+        error = parse_gin_flags(args)
+        if error:
+            return fail(error)
+        print(bindable_config_text())
+        return 0
     overrides = {}
     if args.resume:
         overrides["resume"] = True if args.resume == "yes" else "auto"
     if args.overwrite:
         overrides["overwrite"] = True
     cfg, error = config_from_gin_flags(args, **overrides)
+    if error:
+        return fail(error)
+    error = missing_path_error(cfg)  # a model / prompt file path that is not here: name the binding to set
     if error:
         return fail(error)
     from fp8rl_jax.trainer import distributed

@@ -18,6 +18,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from fp8rl_jax.fp8.kernels import selftest_passed as kernels_selftest_passed
 from fp8rl_jax.gpu_target import lowering_for_h100
 from flax import nnx
 
@@ -87,9 +88,10 @@ def _attend_ref(p, cfg, q, k, v, kv_mask, q_slots):
         for hi in range(h):
             sc = q[bi, :, hi] @ k[bi, :, hi // g].T / math.sqrt(d)            # [S, T]
             allowed = kv_mask[bi][None, :] & (np.arange(t)[None, :] <= q_slots[bi][:, None])
-            sc = np.where(allowed, sc, -1e300)  # a fully masked row: uniform, like the module
-            pr = np.exp(sc - sc.max(-1, keepdims=True))
-            out[bi, :, hi] = (pr / pr.sum(-1, keepdims=True)) @ v[bi, :, hi // g]
+            has = allowed.any(-1, keepdims=True)  # a fully masked row outputs 0 (the project's rule)
+            sc = np.where(allowed, sc, -np.inf)
+            pr = np.where(allowed, np.exp(np.where(allowed, sc - np.where(has, sc.max(-1, keepdims=True), 0), 0)), 0)
+            out[bi, :, hi] = (pr / np.where(has, pr.sum(-1, keepdims=True), 1)) @ v[bi, :, hi // g]
     return out.reshape(b, s, h * d) @ p["o_proj.weight"].T
 
 
@@ -106,7 +108,7 @@ TOL = {jnp.float32: 2e-5, jnp.bfloat16: 4e-2, jnp.float16: 5e-3}
 
 
 def _close(got, ref, rows, dtype):
-    """Compare real query rows only (a fully masked padding row averages all slots and is masked downstream)."""
+    """Compare the real query rows (a fully masked padding row outputs 0: test_fully_masked_row_outputs_zero...)."""
     got = np.asarray(jnp.asarray(got, jnp.float32), np.float64)[rows]
     ref = ref[rows]
     err = np.max(np.abs(got - ref)) / np.max(np.abs(ref))
@@ -179,21 +181,111 @@ def test_cache_offset_matches_float64(cache, dtype):
     _close(out, ref, mask[:, p_len:], dtype)
 
 
-def test_fully_masked_row_is_uniform_average():
-    """A padding query row (no visible key) averages V over all slots, as the einsum path with -1e30 did."""
+def test_fully_masked_row_outputs_zero_and_passes_no_gradient():
+    """Issue 36 (4): a padding query row (no visible key) outputs 0 on every path (it averaged V uniformly before)
+    and its cotangent reaches no real row: the gradient of a loss on the pad rows alone is exactly 0. The float64
+    reference of the self-test gives 0 for such a row without a NaN or a numpy warning (it warned and made NaN)."""
+    import warnings
+
+    from fp8rl_jax.models import attention_impl as ai
+
     cfg = _cfg("llama")
     m = _attn(cfg, jnp.float32)
-    b, s = 1, 5
-    x, mask = _inputs(cfg, b, s, pads=(2,), dtype=jnp.float32)
+    b, s = 2, 5
+    x, mask = _inputs(cfg, b, s, pads=(2, 0), dtype=jnp.float32)
     pos = positions_from_mask(jnp.asarray(mask))
     q_slots = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
-    out, _ = m(x, pos, rope_inv_freq(cfg), jnp.asarray(mask), q_slots)
-    p = _p(m)
-    _, _, v = _qkv_ref(p, cfg, np.asarray(x, np.float64), np.asarray(pos))
-    g = cfg.num_attention_heads // cfg.num_key_value_heads
-    vbar = np.repeat(v[0].mean(0), g, axis=0).reshape(-1)  # every head's uniform average over all S slots
-    ref = vbar @ p["o_proj.weight"].T
-    np.testing.assert_allclose(np.asarray(out[0, 0], np.float64), ref, rtol=1e-5, atol=1e-5)
+    args = (pos, rope_inv_freq(cfg), jnp.asarray(mask), q_slots)
+    out, _ = m(x, *args)
+    assert np.all(np.asarray(out)[~mask] == 0) and np.all(np.abs(np.asarray(out)[mask]) > 0)
+    g = jax.grad(lambda x: jnp.sum(m(x, *args)[0] * jnp.asarray(~mask, jnp.float32)[..., None]))(x)
+    assert np.all(np.asarray(g) == 0)
+    rng = np.random.default_rng(0)
+    q, k, v = rng.normal(size=(1, 4, 2, 8)), rng.normal(size=(1, 4, 1, 8)), rng.normal(size=(1, 4, 1, 8))
+    allowed = np.tril(np.ones((4, 4), bool))[None] & (np.arange(4) >= 2)[None, None, :]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ref, grads = ai.attention_reference_f64(q, k, v, allowed, rng.normal(size=q.shape))
+    assert np.all(np.isfinite(ref)) and np.all(ref[0, :2] == 0) and np.all(np.abs(ref[0, 2:]) > 0)
+    assert all(np.all(np.isfinite(gr)) for gr in grads) and np.all(grads[0][0, :2] == 0)
+
+
+def _rolled_xla(q, k, v, kv_mask):
+    from fp8rl_jax.models.attention_impl import left_padded_attention
+
+    return left_padded_attention(q, k, v, kv_mask, implementation=None)
+
+
+def _leaky_gradient_attention(q, k, v, kv_mask):
+    """A kernel with the right forward (pad rows 0) whose backward lets the pad rows' cotangent reach the real keys:
+    the class of error cuDNN's bias path showed on the H200."""
+    from fp8rl_jax.models.attention_impl import zero_rows_without_keys
+
+    s = q.shape[1]
+    allowed = kv_mask[:, None, :] & (jnp.arange(s)[None, None, :] <= jnp.arange(s)[None, :, None])
+    raw = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, mask=allowed[:, None])  # noqa: E731
+
+    @jax.custom_vjp
+    def f(q, k, v):
+        return zero_rows_without_keys(raw(q, k, v), allowed.any(-1))
+
+    def fwd(q, k, v):
+        return f(q, k, v), (q, k, v)
+
+    def bwd(res, g):
+        return jax.vjp(raw, *res)[1](g)  # pad rows' cotangent not zeroed
+
+    f.defvjp(fwd, bwd)
+    return f(q, k, v)
+
+
+def test_cudnn_selftest_checks_gradients_at_the_trainer_layouts(monkeypatch):
+    """Issue 36 (1): the ``cudnn_attention`` self-test checks the forward *and* dq, dk, dv against float64, at left
+    pads, a row that is all padding, GQA, bf16. The trainer's cuDNN layout (rows rotated to right padding, seq
+    lengths, causal) passes it when run through XLA on this CPU; a kernel with a right forward and a gradient that
+    leaks the pad rows (what cuDNN's bias path did on the H200) fails it, through the registered self-test itself."""
+    from fp8rl_jax.fp8.kernels import KernelMismatch
+    from fp8rl_jax.models import attention_impl as ai
+
+    assert 0 in ai.SELFTEST_PADS and 64 in ai.SELFTEST_PADS and len(set(ai.SELFTEST_PADS)) >= 3
+    ai.check_attention_kernel(_rolled_xla)
+    with pytest.raises(KernelMismatch, match=r"attention d[qkv]: relative error"):
+        ai.check_attention_kernel(_leaky_gradient_attention)
+    calls = []
+
+    def fake(q, k, v, kv_mask, *, implementation, constrain=None):
+        calls.append(implementation)
+        return _leaky_gradient_attention(q, k, v, kv_mask)
+
+    monkeypatch.setattr(ai, "left_padded_attention", fake)
+    with pytest.raises(KernelMismatch, match=r"attention d[qkv]"):
+        ai._selftest_cudnn_attention()
+    assert calls == ["cudnn"]
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_left_padded_layout_matches_float64_forward_and_gradients(dtype):
+    """The rotation to right padding (what cuDNN receives) run through XLA equals the float64 formula on every row
+    and gives the float64 gradients, at several pad counts including a fully padded row and no padding."""
+    from fp8rl_jax.models.attention_impl import attention_reference_f64
+
+    rng = np.random.default_rng(3)
+    b, s, h, hkv, d = 4, 12, 4, 2, 16
+    pads = np.array([0, 3, 11, 12])
+    kv_mask = np.arange(s)[None, :] >= pads[:, None]
+    allowed = kv_mask[:, None, :] & np.tril(np.ones((s, s), bool))[None]
+    q, k, v = (rng.normal(size=(b, s, n, d)) for n in (h, hkv, hkv))
+    do = rng.normal(size=(b, s, h, d))
+    args = [jnp.asarray(a, dtype) for a in (q, k, v)]
+    out, vjp = jax.vjp(lambda *a: _rolled_xla(*a, jnp.asarray(kv_mask)), *args)
+    grads = vjp(jnp.asarray(do, dtype))
+    q64, k64, v64, do64 = (np.asarray(jnp.asarray(a, dtype).astype(jnp.float32), np.float64) for a in (q, k, v, do))
+    ref, gref = attention_reference_f64(q64, k64, v64, allowed, do64)
+    tol = 2e-5 if dtype == jnp.float32 else 3e-2
+    for got, want in zip((out, *grads), (ref, *gref)):
+        got = np.asarray(jnp.asarray(got, jnp.float32), np.float64)
+        assert np.linalg.norm(got - want) / np.linalg.norm(want) < tol
+    assert np.all(np.asarray(out)[~kv_mask] == 0)
 
 
 def test_attention_implementation_choice_and_named_errors(monkeypatch):
@@ -258,7 +350,13 @@ def test_cache_less_attention_lowers_to_cudnn_for_cuda_only(setting):
                     reason="needs a CUDA GPU with cuDNN (none on this machine)")
 def test_cudnn_attention_on_gpu_matches_float64():
     """On the GPU the cache-less bf16 forward runs cuDNN's fused attention (its custom call is in the compiled
-    program) and equals the float64 formula with left padding; its gradients equal XLA attention's."""
+    program) and equals the float64 formula with left padding; its gradients equal XLA attention's on every row
+    (issue 36: 3.1x off through the bias path at 3d93a32), and the trainer's cuDNN call passes the forward + gradient
+    check against float64 (:func:`check_attention_kernel`: left pads, an all-pad row, GQA, bf16)."""
+    from fp8rl_jax.models import attention_impl as ai
+
+    ai.check_attention_kernel(lambda q, k, v, m_: ai.left_padded_attention(q, k, v, m_, implementation="cudnn"))
+    assert kernels_selftest_passed("cudnn_attention")
     cfg = ModelConfig(model_type="qwen3", vocab_size=64, hidden_size=256, intermediate_size=64, num_hidden_layers=1,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=64, rope_theta=10000.0, qk_norm=True)
     dtype = jnp.bfloat16
@@ -283,7 +381,7 @@ def test_cudnn_attention_on_gpu_matches_float64():
     _close(out, _attend_ref(p, cfg, q, k, v, mask, np.asarray(q_slots)), mask, dtype)
     _, hlo_xla, g_xla = run("xla")
     assert "fmha" not in hlo_xla.lower()
-    ga, gb = (np.asarray(a.astype(jnp.float32), np.float64)[mask] for a in (g_cudnn, g_xla))
+    ga, gb = (np.asarray(a.astype(jnp.float32), np.float64) for a in (g_cudnn, g_xla))
     assert np.linalg.norm(ga - gb) / np.linalg.norm(gb) < 3e-2
 
 
@@ -318,3 +416,47 @@ def test_large_gpu_fallback_to_xla_attention_is_warned_once(monkeypatch):
         warnings.simplefilter("error")
         ai.resolve_attention_implementation("auto", jnp.bfloat16, 128, 8191, 8191, False)  # once only
         ai.resolve_attention_implementation("auto", jnp.bfloat16, 128, 511, 511, False)    # small: silent
+
+
+_CUDNN_COMPILE = r"""
+import json, re, jax, jax.numpy as jnp
+from fp8rl_jax.gpu_target import compile_for_h100
+from fp8rl_jax.models import attention_impl as ai
+S = jax.ShapeDtypeStruct
+def loss(q, k, v, m):
+    return jnp.sum(ai.left_padded_attention(q, k, v, m, implementation="cudnn").astype(jnp.float32) ** 2)
+r = compile_for_h100(jax.jit(jax.grad(loss, argnums=(0, 1, 2))), S((2, 256, 8, 128), jnp.bfloat16),
+                     S((2, 256, 2, 128), jnp.bfloat16), S((2, 256, 2, 128), jnp.bfloat16), S((2, 256), jnp.bool_))
+txt = r.compiled.as_text()
+calls = [l for l in txt.splitlines() if "custom_call_target=\"__cudnn$fmha" in l]
+print(json.dumps({"targets": sorted(set(re.findall(r'custom_call_target="(__cudnn[^"]+)"', txt))),
+                  "operands": [l.split("operand_layout_constraints={")[1].split("}, api_version")[0] for l in calls],
+                  "config": [l.split("backend_config=")[1][:2000] if "backend_config=" in l else "" for l in calls]}))
+"""
+
+
+def test_trainer_cudnn_call_compiles_for_h100_without_bias_or_mask():
+    """Issue 36 (1), deviceless sm_90a compile in .venv-cuda: the trainer's cuDNN attention (forward and backward of
+    :func:`left_padded_attention`) compiles to cuDNN's plain softmax fMHA with two ``s32[B]`` sequence-length operands
+    and a causal padding mask: no ``[B, 1, S, T]`` bias operand (the path whose backward was wrong on the H200) and no
+    bias gradient."""
+    import json
+    import os
+    import subprocess
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    cuda_py = repo / ".venv-cuda" / "bin" / "python"
+    if not cuda_py.exists():
+        pytest.skip("needs .venv-cuda with jax[cuda13] for the deviceless sm_90a compile: run `make setup-cuda`")
+    env = {**os.environ, "PYTHONPATH": str(repo), "JAX_SKIP_CUDA_CONSTRAINTS_CHECK": "1"}
+    for var in ("JAX_PLATFORMS", "XLA_FLAGS"):
+        env.pop(var, None)
+    proc = subprocess.run([str(cuda_py), "-c", _CUDNN_COMPILE], env=env, cwd=repo, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert res["targets"] == ["__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxBackward"], res["targets"]
+    for ops, cfg in zip(res["operands"], res["config"]):
+        assert ops.count("s32[2]") == 2 and "256,256" not in ops, ops  # seq lengths, no [B, 1, S, S] bias
+        assert "PADDING_CAUSAL" in cfg, cfg[:500]

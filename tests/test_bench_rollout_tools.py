@@ -1,16 +1,22 @@
 """The rollout benchmark's GPU-only readers, run on synthetic input here (no GPU needed): the profile summary
-(Perfetto trace of jax.profiler) and the decode HBM-floor byte count."""
+(Perfetto trace of jax.profiler), the decode HBM-floor byte count, the floor's bandwidth and arithmetic; and, with a
+tiny random model on the CPU, the result files written as each row ends."""
 
 from __future__ import annotations
 
 import gzip
 import json
 import os
+import signal
+import subprocess
 import sys
+import time
 
 import numpy as np
+import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 from bench_rollout import decode_bytes_per_step, profile_summary  # noqa: E402
 
@@ -52,3 +58,94 @@ def test_decode_bytes_reads_active_experts_and_one_embedding_row_per_sequence():
     # batch 3: embedding 3 rows of 64 bf16; lm_head whole; q_proj whole; experts: min(1, 3*2/16) of 16 x 2048 B
     want = 3 * 64 * 2 + 1000 * 64 * 2 + 64 * 64 + (6 / 16) * 16 * 32 * 64 + 3 * 10.0 * 100
     np.testing.assert_allclose(decode_bytes_per_step(Cfg, W, 3, 10.0, 100), want)
+
+
+def test_datasheet_bandwidth_by_device_kind():
+    from bench_rollout import datasheet_bandwidth_GBps
+
+    assert datasheet_bandwidth_GBps("NVIDIA H200") == 4800.0
+    assert datasheet_bandwidth_GBps("NVIDIA H100 80GB HBM3") == 3350.0  # SXM
+    assert datasheet_bandwidth_GBps("NVIDIA H100 PCIe") == 2000.0
+    assert datasheet_bandwidth_GBps("NVIDIA H100 NVL") == 3900.0
+    assert datasheet_bandwidth_GBps("cpu") is None and datasheet_bandwidth_GBps("NVIDIA A100-SXM4-80GB") is None
+
+
+def test_floor_bandwidth_prefers_the_datasheet_and_names_its_source():
+    from bench_rollout import floor_bandwidth
+
+    bw, src = floor_bandwidth("NVIDIA H200", 4100.0)  # a measured read below the datasheet: the datasheet
+    assert bw == 4800.0 and src.startswith("datasheet") and "NVIDIA H200" in src
+    bw, src = floor_bandwidth("NVIDIA H200", 5200.0)  # above what HBM gives: used (so nothing exceeds 100%), flagged
+    assert bw == 5200.0 and "above" in src and "4800" in src
+    bw, src = floor_bandwidth("cpu", 9.5)  # no datasheet: the measurement
+    assert bw == 9.5 and src.startswith("measured read")
+    with pytest.raises(ValueError, match="no HBM bandwidth"):
+        floor_bandwidth("cpu", None)
+
+
+def test_hbm_floor_arithmetic_and_cap():
+    from bench_rollout import hbm_floor
+
+    # 16.4 GB per step at 4800 GB/s: a floor of 16.4e9 / 4.8e12 s = 3.4167 ms; measured 4.70 ms per token
+    f = hbm_floor(16.4e9, 4.70e-3, 4800.0)
+    np.testing.assert_allclose(f["floor_ms_per_token"], 16.4e9 / 4.8e12 * 1e3)
+    np.testing.assert_allclose(f["pct_of_hbm_floor"], 100 * (16.4e9 / 4.8e12) / 4.70e-3)
+    assert f["pct_of_hbm_floor"] == f["pct_of_hbm_floor_raw"] and not f["above_floor"]
+    # faster than the floor is impossible: capped at 100, raw kept, flagged (the old copy-bandwidth floor said 161%)
+    f = hbm_floor(16.4e9, 0.5 * 16.4e9 / 4.8e12, 4800.0)
+    assert f["pct_of_hbm_floor"] == 100.0 and f["above_floor"]
+    np.testing.assert_allclose(f["pct_of_hbm_floor_raw"], 200.0)
+    with pytest.raises(ValueError):
+        hbm_floor(1e9, 0.0, 4800.0)
+    with pytest.raises(ValueError):
+        hbm_floor(1e9, 1e-3, 0.0)
+
+
+def test_read_bandwidth_is_positive_on_the_cpu():
+    from bench_rollout import read_bandwidth_GBps
+
+    assert read_bandwidth_GBps(1 << 22, repeats=2) > 0
+
+
+def test_each_row_is_written_as_it_ends_and_survives_a_kill(tmp_path):
+    """A tiny random Qwen3, two cells (bf16, fp8), --floor: the result files appear while the run goes on (after the
+    first cell's rows, before the second cell is done), hold valid JSON with the floor figures, and stay when the
+    run is killed there."""
+    out = tmp_path / "rollout_tiny"
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([ROOT, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "benchmarks", "bench_rollout.py"), "--models", "tiny",
+                             "--engines", "embedded", "--precisions", "bf16,fp8", "--batches", "1,2",
+                             "--max_tokens", "3", "--repeats", "1", "--floor", "--out", str(out)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            start_new_session=True)
+    seen = None
+    deadline = time.time() + 600
+    try:
+        while time.time() < deadline and proc.poll() is None:
+            if os.path.exists(str(out) + ".json"):
+                with open(str(out) + ".json") as f:
+                    d = json.load(f)  # never half a file: written through a rename
+                cells = {c["precision"]: c for c in d["cells"]}
+                if not d["complete"] and "bf16" in cells and len(cells["bf16"]["rows"]) == 2:
+                    seen = d  # the first cell complete, the run still going
+                    break
+            time.sleep(0.05)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)  # this test's own process group (bench_rollout and its cell child)
+        log = proc.communicate()[0]
+    assert seen is not None, f"no partial result file seen while the run went on:\n{log[-3000:]}"
+    with open(str(out) + ".json") as f:
+        after = json.load(f)
+    assert after["complete"] is False and any(c["precision"] == "bf16" for c in after["cells"])
+    assert "Partial" in (tmp_path / "rollout_tiny.md").read_text()
+    cell = next(c for c in seen["cells"] if c["precision"] == "bf16")
+    assert [r["batch"] for r in cell["rows"]] == [1, 2]
+    row = cell["rows"][0]
+    np.testing.assert_allclose(row["floor_ms_per_token"], row["bytes_per_step_MB"] * 1e6 / (row["floor_GBps"] * 1e9)
+                               * 1e3, rtol=1e-9)
+    np.testing.assert_allclose(row["pct_of_hbm_floor_raw"], 100 * row["floor_ms_per_token"]
+                               / row["decode_ms_per_token"], rtol=1e-9)
+    assert 0 < row["pct_of_hbm_floor"] <= 100 and row["floor_bandwidth_source"].startswith("measured read")
+    assert row["prefill_timing"] == "same program, stopped at its first token"

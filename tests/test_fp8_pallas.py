@@ -48,7 +48,7 @@ def test_kernel_zero_blocks_and_nonfinite():
 
 
 def test_kernels_follow_the_platform_lowered_for_not_the_devices_present():
-    """Issue 28 (1): the same "auto" dispatchers lower to the Triton kernels for CUDA and to the jnp/XLA paths for the
+    """Issue 28 (1): the same "auto" dispatchers lower to the Pallas kernels for CUDA and to the jnp/XLA paths for the
     CPU, in one process whose only devices are CPUs (no monkeypatching): the choice is per computation, made by
     ``jax.lax.platform_dependent`` when the program is lowered. On a GPU host a CPU-placed computation thus never
     gets a compiled (non-interpret) Pallas kernel, which the CPU backend rejects."""
@@ -69,6 +69,8 @@ def test_kernels_follow_the_platform_lowered_for_not_the_devices_present():
         hlo, kernels = _lower_for_cuda(fn, *args)
         if name == "w8a8":  # M = 200: the Mosaic GPU wgmma GEMM (fp8rl_jax.fp8.dot_general.cuda_gemm_impl)
             assert "stablehlo.custom_call @mosaic_gpu" in hlo, name
+        elif name == "decode":  # M = 4: the swap-AB Mosaic GPU decode GEMM (issue 37)
+            assert "stablehlo.custom_call @mosaic_gpu" in hlo and "fp8_decode_gemm_swapab_wgmma" in hlo, name
         else:
             assert kernels, f"{name}: no Triton kernel when lowered for CUDA"
     # computed here (a CPU): the jnp path, equal to the reference

@@ -40,7 +40,7 @@ from fp8rl_jax.models.fused import fused_projections, split_tensors, unfused_pro
 from fp8rl_jax.models.loading import build_model
 from fp8rl_jax.rollout.engine import JaxRolloutEngine, engine_fuses_projections
 from fp8rl_jax.rollout.types import SamplingParams
-from hlo_calls import triton_launches
+from hlo_calls import is_kernel, triton_launches
 
 E4M3 = jnp.float8_e4m3fn
 # 128-aligned tiny Qwen3: q 256, k/v 128, gate/up 512 rows -> every group fuses
@@ -346,20 +346,20 @@ def test_real_smollm2_engine_with_fused_gate_up_equals_unfused():
 
 
 def _launches(hlo: str) -> collections.Counter:
-    """Triton launches per e4m3 weight shape (``"NxK"``), counted through the call graph from ``@main``
-    (tests/hlo_calls.py)."""
+    """Kernel launches (Triton or Mosaic GPU) per e4m3 weight shape (``"NxK"``: the first e4m3 operand, the swap-AB
+    decode kernel's A operand), counted through the call graph from ``@main`` (tests/hlo_calls.py)."""
 
     def weight_shape(line):
         m = re.search(r"tensor<(\d+x\d+)xf8E4M3FN>", line)
         return m.group(1) if m else "other"
 
-    return triton_launches(hlo, weight_shape)
+    return triton_launches(hlo, weight_shape, match=is_kernel)
 
 
 def test_decode_step_lowers_to_one_split_k_launch_per_fused_linear_for_cuda():
-    """One decode step of the FP8 model lowered for CUDA on this CPU: every FP8 linear is one launch of the split-K
-    decode kernel (the activation quantized in its prologue); fused, a layer launches qkv, o, gate_up and down
-    (4) instead of q, k, v, o, gate, up, down (7)."""
+    """One decode step of the FP8 model lowered for CUDA on this CPU: every FP8 linear is one launch of the swap-AB
+    split-K decode kernel (issue 37; the activation quantized once before it, in XLA); fused, a layer launches qkv,
+    o, gate_up and down (4) instead of q, k, v, o, gate, up, down (7). No Triton kernel is left in the step."""
     from test_fp8_pallas import _lower_for_cuda
 
     cfg = ModelConfig(**QWEN3)
@@ -378,9 +378,10 @@ def test_decode_step_lowers_to_one_split_k_launch_per_fused_linear_for_cuda():
         hlo, kernels = _lower_for_cuda(step, state, jnp.zeros((2, 1), jnp.int32), jnp.zeros((2, 1), jnp.int32),
                                        jnp.ones((2, 24), bool), KVCache.zeros(cfg, 2, 24, jnp.bfloat16))
         counts[fuse] = _launches(hlo)
-        names[fuse] = {re.search(r"tt\.func public @(\w+)", k).group(1) for k in kernels}
+        names[fuse] = set(re.findall(r"fp8_decode_gemm_swapab_wgmma", hlo)) | {
+            re.search(r"tt\.func public @(\w+)", k).group(1) for k in kernels}
     n_layers = cfg.num_hidden_layers
-    assert names[False] == names[True] == {"fp8_w8a8_decode_splitk"}  # no separate activation-quant kernel
+    assert names[False] == names[True] == {"fp8_decode_gemm_swapab_wgmma"}  # no activation-quant or Triton kernel
     h, i = cfg.hidden_size, cfg.intermediate_size
     q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
 

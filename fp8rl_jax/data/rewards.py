@@ -7,6 +7,9 @@
   checks equivalence (``1/2 == 0.5 == \\frac{1}{2}``); for GSM8K and MATH.
 
 Any model text (empty, garbage, huge numbers, unbalanced braces) gives 0.0 instead of raising.
+
+A user's own function of the same signature is bound with ``train.reward_fn`` (gin) and runs in a worker process of
+this module's :class:`_ScoringWorker` with a timeout: :mod:`fp8rl_jax.data.custom_reward`.
 """
 
 from __future__ import annotations
@@ -233,20 +236,35 @@ def _worker_main(conn) -> None:
 
 
 class _ScoringWorker:
-    """One spawned daemon process running :func:`_worker_main` over a pipe (a daemon: killed at the parent's exit;
-    it exits by itself when the parent dies)."""
+    """One spawned daemon process running ``target(conn, *args)`` over a pipe (a daemon: killed at the parent's exit;
+    it exits by itself when the parent dies). The default target is :func:`_worker_main` (math-verify); user reward
+    functions (``train.reward_fn``) use :func:`fp8rl_jax.data.custom_reward._worker_main`.
 
-    def __init__(self):
+    The target sends ``"ready"`` once set up (imports done: not counted in any scoring time limit), or a one-line
+    error text and returns; the constructor waits up to ``start_timeout_s`` for it.
+
+    Raises:
+      RuntimeError: the worker did not become ready (timed out, died, or sent an error, quoted).
+    """
+
+    def __init__(self, target=None, args: tuple = (), name: str = "fp8rl-math-verify",
+                 what: str = "the math-verify scoring worker", start_timeout_s: float = _WORKER_START_S):
         import multiprocessing
 
         ctx = multiprocessing.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.process = ctx.Process(target=_worker_main, args=(child,), daemon=True, name="fp8rl-math-verify")
+        self.process = ctx.Process(target=_worker_main if target is None else target, args=(child, *args),
+                                   daemon=True, name=name)
         self.process.start()
         child.close()
-        if not self.conn.poll(_WORKER_START_S) or self.conn.recv() != "ready":
+        try:
+            msg = self.conn.recv() if self.conn.poll(start_timeout_s) else None
+        except (EOFError, OSError):
+            msg = "the process exited before it was ready"
+        if msg != "ready":
             self.kill()
-            raise RuntimeError(f"the math-verify scoring worker did not start within {_WORKER_START_S:g} s")
+            raise RuntimeError(f"{what} did not start within {start_timeout_s:g} s" if msg is None
+                               else f"{what} did not start: {msg}")
 
     def score(self, args: tuple, limit_s: float) -> float | None:
         """The worker's score for ``args``, or None when it has not answered within ``limit_s`` seconds."""
@@ -254,7 +272,9 @@ class _ScoringWorker:
         return self.conn.recv() if self.conn.poll(limit_s) else None
 
     def kill(self) -> None:
-        self.process.kill()
+        """Kill the process (whatever it is doing) and close the pipe; idempotent."""
+        if self.process.is_alive():
+            self.process.kill()
         self.process.join(5)
         self.conn.close()
 

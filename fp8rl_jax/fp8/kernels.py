@@ -42,7 +42,7 @@ import jax
 FAMILIES = {
     "quant": "Pallas blockwise e4m3 quantization (weights 128x128, activations 1x128)",
     "w8a8_gemm": "Mosaic GPU wgmma W8A8 blockwise FP8 GEMM (dense M > 64, MoE prefill, FP8 training)",
-    "decode_gemm": "Pallas fused split-K W8A8 decode GEMM (M <= 64)",
+    "decode_gemm": "Mosaic GPU swap-AB split-K W8A8 decode GEMM (M <= 64, fp8rl_jax.kernels.decode_gemm_mgpu)",
     "grouped_experts": "Pallas-Triton grouped W8A8 MoE expert GEMM (decode-sized routed rows)",
     "fp8_kv_attention": "Pallas decode attention reading the e4m3 KV cache",
     "cudnn_attention": "cuDNN flash attention (jax.nn.dot_product_attention implementation='cudnn')",

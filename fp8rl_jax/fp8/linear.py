@@ -25,7 +25,7 @@ from fp8rl_jax.fp8.mosaic_gemm import FP8_OPERAND_DTYPES
 from fp8rl_jax.fp8.pallas_decode import fused_w8a8_decode_matmul
 from fp8rl_jax.fp8.quant import _quantize_groups
 
-IMPLS = ("auto", "dequant", "blocked", "pallas", "fused", "mosaic")
+IMPLS = ("auto", "dequant", "blocked", "pallas", "fused", "mosaic", "swapab")
 
 
 def w8a8_block_matmul(x: jnp.ndarray, weight: jnp.ndarray, weight_scale_inv: jnp.ndarray,
@@ -49,7 +49,9 @@ def w8a8_block_matmul(x: jnp.ndarray, weight: jnp.ndarray, weight_scale_inv: jnp
       block_size: bs (128).
       out_dtype: result dtype (default ``x.dtype``).
       impl: ``"auto"`` (lowered for CUDA: :func:`~fp8rl_jax.fp8.dot_general.cuda_gemm_impl` of the row count M,
-        ``"fused"`` for ``M <= 64``, ``"mosaic"`` above; dequantize + float32 matmul elsewhere), ``"dequant"``,
+        ``"swapab"`` for ``M <= 64`` (e4m3; ``"fused"`` for e5m2), ``"mosaic"`` above; dequantize + float32 matmul
+        elsewhere), ``"swapab"`` (group quantization, then the swap-AB split-K Mosaic GPU decode kernel,
+        :mod:`fp8rl_jax.kernels.decode_gemm_mgpu`; the neighbours run as XLA ops around it), ``"dequant"``,
         ``"blocked"`` (per-K-block real e4m3 ``dot_general``), ``"mosaic"`` (group quantization, then the Mosaic
         GPU wgmma GEMM; Mosaic GPU's interpreter where the program is not lowered for CUDA), ``"pallas"`` (group
         quantization, then the Pallas-Triton tiled GEMM) or ``"fused"`` (one split-K Triton kernel with the
@@ -78,6 +80,9 @@ def w8a8_block_matmul(x: jnp.ndarray, weight: jnp.ndarray, weight_scale_inv: jnp
         rows = math.prod(x.shape[:-1])
         mosaic_ok = block_size == BLOCK_SIZE and jnp.dtype(weight.dtype) in FP8_OPERAND_DTYPES
         family, kernel = cuda_gemm_impl(rows, mosaic_ok=mosaic_ok)
+        if kernel == "swapab" and not (block_size == BLOCK_SIZE
+                                       and jnp.dtype(weight.dtype) == jnp.dtype(jnp.float8_e4m3fn)):
+            kernel = "fused"  # the swap-AB kernel is e4m3 x e4m3 in 128-blocks; the Triton decode kernel takes the rest
         eps = None if norm is None else float(norm[2])  # static; the arrays go through choose
         extra = (None if norm is None else tuple(norm[:2]), residual)
         return choose(family, x, weight, weight_scale_inv, extra,
@@ -140,7 +145,21 @@ def _matmul(x, weight, weight_scale_inv, block_size, out_dtype, impl, interpret=
     xq, xs = _quantize_groups(x2, group_size=block_size, ue8m0=False, fp8_dtype=jnp.dtype(weight.dtype),
                               fp8_max=float(jnp.finfo(weight.dtype).max), recipe=ACTIVATION_RECIPE)
     ws = weight_scale_inv.astype(jnp.float32)
-    if impl == "mosaic":  # the kernel's epilogue writes out_dtype from its float32 accumulator
+    if impl == "swapab":  # decode: the swap-AB split-K kernel; its split sums reduce in XLA (with the neighbours)
+        from fp8rl_jax.fp8.kernels import on_cuda
+        from fp8rl_jax.kernels.decode_gemm_mgpu import decode_w8a8_matmul
+
+        if jnp.dtype(weight.dtype) != jnp.dtype(jnp.float8_e4m3fn) or xq.shape[1] > 64:
+            raise ValueError(f"w8a8_block_matmul(impl='swapab') takes e4m3 weights and at most 64 rows, got "
+                             f"{weight.dtype} and {xq.shape[1]} rows")
+
+        def run(interp):
+            return lambda a, b, c, d: decode_w8a8_matmul(a, b, c, d, interpret=interp)
+
+        args = (xq[0], xs[0], weight, ws)
+        y = run(bool(interpret))(*args) if interpret is not None else on_cuda(*args, cuda=run(False),
+                                                                               default=run(True))
+    elif impl == "mosaic":  # the kernel's epilogue writes out_dtype from its float32 accumulator
         y = scaled_matmul(xq, xs, weight[None], None, block_size=block_size, impl="mosaic", w_block_scales=ws[None],
                           out_dtype=out_dtype, interpret=interpret)
     elif impl == "pallas":

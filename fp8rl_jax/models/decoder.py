@@ -38,7 +38,8 @@ from jax.ad_checkpoint import checkpoint_name
 from fp8rl_jax.fp8.kv_cache import dequantize_kv, is_fp8_cache, quantize_kv
 from fp8rl_jax.fp8.pallas_attention import (decode_kernel_choice, fp8_kv_attention_dispatch, fp8_kv_decode_attention,
                                             fp8_kv_prefill_attention)
-from fp8rl_jax.models.attention_impl import dot_product_attention_dispatch
+from fp8rl_jax.models.attention_impl import (dot_product_attention_dispatch, left_padded_attention, rows_with_keys,
+                                             zero_rows_without_keys)
 from fp8rl_jax.models.config import ModelConfig
 from fp8rl_jax.models.experts import expert_names, is_expert_stack_name, stack_expert_tensors
 from fp8rl_jax.models.layers import LINEAR_PRECISIONS, MLP, Linear, RMSNorm  # noqa: F401 (re-exported)
@@ -199,9 +200,10 @@ class Attention(nnx.Module):
         ``sqrt(head_dim)``: at most 1 ulp apart in float32, identical for power-of-4 head dims), masks with
         ``-0.7 * float32_max``, runs the softmax in float32, casts the probabilities to ``dtype`` and multiplies by
         ``V`` in ``dtype``: the numerics of the einsum path it replaced. It still materialises the
-        ``[B, H, S, T]`` scores; cuDNN's does not (the mask reaches it as a ``[B, 1, S, T]`` bias). A query row with
-        no visible key (a padding row) gets a uniform average over all slots with XLA (about uniform with cuDNN);
-        its output is meaningless and masked downstream. The FP8-attention path (``q_scale``) keeps an explicit
+        ``[B, H, S, T]`` scores; cuDNN's does not: a cache-less forward reaches it with each left-padded row rotated to
+        right padding and cuDNN's own padding-causal mask (:func:`fp8rl_jax.models.attention_impl.left_padded_attention`:
+        no bias, no fully masked row inside cuDNN). A query row with no visible key (a left-pad slot) outputs 0 on
+        every path (:func:`fp8rl_jax.models.attention_impl.zero_rows_without_keys`), so its gradient is 0 too. The FP8-attention path (``q_scale``) keeps an explicit
         einsum because ``QK^T`` runs on e4m3 values rescaled by ``q_scale * k_scale`` before the softmax; so does
         ``float16`` compute with the default implementation (XLA:CPU rejects the ``F16_F16_F32`` dot algorithm JAX's XLA
         attention asks for; same numerics).
@@ -253,6 +255,7 @@ class Attention(nnx.Module):
                         return o.reshape(b, s, self.num_heads * self.head_dim)
 
                     out = fp8_kv_attention_dispatch(mode, q, ck, cv, kernel=kernel, xla=materialized)
+                    out = zero_rows_without_keys(out, rows_with_keys(kv_mask, q_slots))
                 return self._out(out, residual), (ck, cv), qkv_absmax
             ck = jax.lax.dynamic_update_slice(ck, k.astype(ck.dtype), (0, cache_index, 0, 0))
             cv = jax.lax.dynamic_update_slice(cv, v.astype(cv.dtype), (0, cache_index, 0, 0))
@@ -299,8 +302,11 @@ class Attention(nnx.Module):
         def attention(impl):
             def run(q_, k_, v_):
                 k_, v_ = k_.astype(q_.dtype), v_.astype(q_.dtype)
-                if impl == "cudnn" and self.qkv_sharding is not None:
-                    q_, k_, v_ = (jax.lax.with_sharding_constraint(t, self.qkv_sharding(t.shape)) for t in (q_, k_, v_))
+                if impl == "cudnn":  # cache-less only: rows right-aligned, cuDNN's own padding-causal mask
+                    constrain = None
+                    if self.qkv_sharding is not None:
+                        constrain = lambda t: jax.lax.with_sharding_constraint(t, self.qkv_sharding(t.shape))  # noqa: E731
+                    return left_padded_attention(q_, k_, v_, kv_mask, implementation="cudnn", constrain=constrain)
                 return jax.nn.dot_product_attention(q_, k_, v_, mask=allowed[:, None], implementation=impl)
             return run
 
@@ -309,6 +315,7 @@ class Attention(nnx.Module):
         else:
             xla = einsum_attention if q.dtype == jnp.float16 else attention(None)
             out = dot_product_attention_dispatch(self.attention_implementation, q, k, v, has_cache, attention, xla)
+        out = zero_rows_without_keys(out, rows_with_keys(kv_mask, q_slots))  # a row without a key gives 0
         return out.reshape(b, s, self.num_heads * self.head_dim)
 
 

@@ -14,7 +14,7 @@ Two layout facts of the format (llama.cpp ``convert_hf_to_gguf.py`` / ``gguf-py`
   ``w.reshape(n_head, 2, head_dim // 2, ...).swapaxes(1, 2)``. :func:`unpermute_rotary` undoes it. Qwen2 and
   Qwen3 files are written without that permutation (their converter does not apply it), so they are not touched.
 
-Untrusted files (e.g. a GGUF assembled from parts, see ``shared/ASSETS.md``) should be checked with
+Untrusted files (e.g. a GGUF from an unofficial uploader or assembled from parts; docs/ASSETS.md) should be checked with
 :func:`verify_sha256` (or ``load_gguf(..., expected_sha256=...)``) before they are parsed.
 """
 

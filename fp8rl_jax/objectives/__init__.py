@@ -1,13 +1,14 @@
 """Objectives: advantages (GRPO / Dr. GRPO / RLOO), policy losses (PPO clip with clip-higher and dual clip,
 REINFORCE, GSPO), rollout correction (TIS / MIS / IcePop / rejection sampling / off-policy sequence masking /
-trust region masking as chainable transforms) and training/inference mismatch metrics. See
-docs/ROLLOUT_CORRECTION.md.
+trust region masking as chainable transforms), training/inference mismatch metrics, and verl's KL-to-reference and
+entropy loss terms (``kl_penalty``, ``entropy_from_logits``). See docs/ROLLOUT_CORRECTION.md and docs/LOSSES.md.
 
 The trainer calls ``compute_policy_loss(logprobs, old_logprobs, rollout_logprobs, advantages,
-response_mask, LossConfig(...))``.
+response_mask, LossConfig(...), ref_logprobs=..., entropy=...)``.
 """
 
 from fp8rl_jax.objectives.advantages import drgrpo_advantages, grpo_advantages, rloo_advantages
+from fp8rl_jax.objectives.kl_entropy import KL_LOSS_TYPES, entropy_from_logits, kl_penalty
 from fp8rl_jax.objectives.loss import (
     LOSS_MODES,
     LOSS_TYPES,
@@ -73,4 +74,7 @@ __all__ = [
     "build_transform",
     "correction_transform",
     "compute_policy_loss",
+    "KL_LOSS_TYPES",
+    "kl_penalty",
+    "entropy_from_logits",
 ]

@@ -4,7 +4,9 @@
 ``RolloutCorrectionConfig``) plus the earlier verl knobs (``rollout_is_mode``, ``rollout_is_veto_threshold``,
 ``geometric`` level); its classmethods mirror verl's presets. ``LossConfig`` holds the policy-loss knobs
 (verl ``actor.policy_loss``/``actor`` names: ``loss_mode``, ``clip_ratio_low``, ``clip_ratio_high``,
-``clip_ratio_c``, ``loss_agg_mode``) and a ``RolloutCorrectionConfig``.
+``clip_ratio_c``, ``loss_agg_mode``), verl's actor knobs of the KL-to-reference and entropy terms (``use_kl_loss``,
+``kl_loss_type``, ``kl_loss_coef``, ``entropy_coeff``, ``calculate_entropy``; :mod:`fp8rl_jax.objectives.kl_entropy`,
+docs/LOSSES.md) and a ``RolloutCorrectionConfig``.
 
 Switching the correction is one gin line, e.g.::
 
@@ -23,8 +25,9 @@ import jax
 import jax.numpy as jnp
 
 from fp8rl_jax.objectives._common import as_mask, check_choice, check_same_shape
+from fp8rl_jax.objectives.kl_entropy import KL_LOSS_TYPES, kl_penalty
 from fp8rl_jax.objectives.metrics import rollout_corr_metrics
-from fp8rl_jax.objectives.policy_loss import LOSS_AGG_MODES, gspo_loss, ppo_clip_loss, reinforce_loss
+from fp8rl_jax.objectives.policy_loss import LOSS_AGG_MODES, agg_loss, gspo_loss, ppo_clip_loss, reinforce_loss
 from fp8rl_jax.objectives.rollout_correction import (
     IS_LEVELS,
     IS_MODES,
@@ -358,9 +361,27 @@ class LossConfig:
         part of ``rollout_correction`` (its ``bypass_mode``, ``loss_type`` and ``opsm_delta`` still apply: an
         ``opsm_delta`` is chained after the custom transform, :func:`correction_transform`).
       compute_metrics: also return ``rollout_corr/`` mismatch metrics (``rollout_corr_metrics``).
+      use_kl_loss: add ``kl_loss_coef * agg(kl_penalty(logprobs, ref_logprobs, kl_loss_type))`` to the loss, the
+        KL to the reference policy (the initial policy, frozen; the trainer computes its log-probs once per batch:
+        :mod:`fp8rl_jax.trainer.reference`). verl ``actor.use_kl_loss`` (default False; GRPO recipes turn it on,
+        DAPO's do not).
+      kl_loss_type: the per-token estimator, one of :data:`fp8rl_jax.objectives.kl_entropy.KL_LOSS_TYPES`
+        (``"k1"``/``"kl"``, ``"abs"``, ``"k2"``/``"mse"``, ``"k3"``/``"low_var_kl"``, each also with a ``"+"``
+        straight-through suffix). verl ``actor.kl_loss_type``, default ``"low_var_kl"``.
+      kl_loss_coef: its coefficient (verl ``actor.kl_loss_coef``, default 0.001).
+      entropy_coeff: subtract ``entropy_coeff * agg(entropy)`` from the loss (an entropy bonus when > 0; verl
+        ``actor.entropy_coeff``, default 0). Nonzero: the training forward computes the per-token entropy of the
+        temperature-scaled logits with its gradient (chunked like the log-probs).
+      calculate_entropy: log ``actor/entropy`` even when ``entropy_coeff == 0`` (verl ``actor.calculate_entropy``;
+        an extra softmax pass per logits chunk, no gradient).
+
+    The KL and entropy terms are aggregated with ``loss_agg_mode`` over the same mask as the policy loss (the
+    response mask after rollout-correction rejection: verl's trainer replaces ``response_mask`` by the rejection
+    mask before the actor aggregates any of the terms).
 
     Raises:
-      ValueError: invalid values (lists the valid ones).
+      ValueError: invalid values (lists the valid ones; a bad ``kl_loss_type`` names the binding
+        ``LossConfig.kl_loss_type``).
     """
 
     loss_mode: str = "vanilla"
@@ -372,10 +393,22 @@ class LossConfig:
     rollout_correction: Optional[RolloutCorrectionConfig] = None
     transform: Optional[Callable] = None
     compute_metrics: bool = True
+    use_kl_loss: bool = False
+    kl_loss_type: str = "low_var_kl"
+    kl_loss_coef: float = 0.001
+    entropy_coeff: float = 0.0
+    calculate_entropy: bool = False
 
     def __post_init__(self):
         check_choice("loss_mode", self.loss_mode, LOSS_MODES)
         check_choice("loss_agg_mode", self.loss_agg_mode, LOSS_AGG_MODES)
+        if self.kl_loss_type not in KL_LOSS_TYPES:
+            raise ValueError(f"LossConfig.kl_loss_type={self.kl_loss_type!r} is not one of {list(KL_LOSS_TYPES)} "
+                             "(verl actor.kl_loss_type; a '+' suffix takes k2's gradient)")
+        for name in ("kl_loss_coef", "entropy_coeff"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v or abs(v) == float("inf"):
+                raise ValueError(f"LossConfig.{name} must be a finite number, got {v!r}")
         if self.clip_ratio_c is not None and not self.clip_ratio_c > 1.0:
             raise ValueError(f"clip_ratio_c must be > 1, got {self.clip_ratio_c}")
         if self.rollout_correction is None:
@@ -385,9 +418,15 @@ class LossConfig:
                 f"rollout_correction must be a RolloutCorrectionConfig, got {type(self.rollout_correction)}"
             )
 
+    @property
+    def needs_entropy(self) -> bool:
+        """Whether the loss needs the per-token entropy (``entropy_coeff != 0``) or logs it (``calculate_entropy``)."""
+        return self.entropy_coeff != 0 or self.calculate_entropy
 
-def compute_policy_loss(logprobs, old_logprobs, rollout_logprobs, advantages, response_mask, config=None):
-    """The whole policy loss: rollout correction + policy loss + aggregation + metrics.
+
+def compute_policy_loss(logprobs, old_logprobs, rollout_logprobs, advantages, response_mask, config=None, *,
+                        ref_logprobs=None, entropy=None):
+    """The whole policy loss: rollout correction + policy loss + aggregation + KL/entropy terms + metrics.
 
     Regimes (verl, rollout_corr_math.md):
 
@@ -401,6 +440,13 @@ def compute_policy_loss(logprobs, old_logprobs, rollout_logprobs, advantages, re
 
     Transforms that need the advantages (``OffPolicySequenceMasking``) receive ``advantages``.
 
+    Then, as verl's actor (verl/workers/actor/dp_actor.py), with ``agg`` = :func:`agg_loss` over the policy loss's
+    aggregation mask (``c.mask``) and ``loss_agg_mode``::
+
+        loss = pg_loss - entropy_coeff * agg(entropy) + kl_loss_coef * agg(kl_penalty(logprobs, ref_logprobs))
+
+    (the entropy term when ``entropy_coeff != 0``, the KL term when ``use_kl_loss``).
+
     Args:
       logprobs: current policy's sampled-token log-probs ``[B, T]`` float32 (differentiated).
       old_logprobs: trainer recomputation before the update ``[B, T]`` (or ``None`` in bypass mode).
@@ -410,14 +456,18 @@ def compute_policy_loss(logprobs, old_logprobs, rollout_logprobs, advantages, re
       advantages: ``[B]`` or ``[B, T]``.
       response_mask: ``[B, T]`` bool/float.
       config: ``LossConfig``, a ``RolloutCorrectionConfig`` (policy-loss defaults), or ``None`` (defaults).
+      ref_logprobs: the reference policy's log-probs ``[B, T]`` (constant); required with ``use_kl_loss``.
+      entropy: per-token entropy ``[B, T]`` float32 of the current policy (differentiated when
+        ``entropy_coeff != 0``); required when ``config.needs_entropy``.
 
     Returns:
       ``(loss, metrics)``: float32 scalar; dict of float32 scalars: ``actor/*`` (``pg_loss``,
-      ``pg_clipfrac``, ``pg_clipfrac_lower``, ``ppo_kl``), ``rollout_corr/*`` (transform metrics and,
-      with ``compute_metrics``, the mismatch metrics of ``rollout_corr_metrics``).
+      ``pg_clipfrac``, ``pg_clipfrac_lower``, ``ppo_kl``; ``kl_loss`` and ``kl_coef`` with ``use_kl_loss``;
+      ``entropy`` when an entropy is given), ``rollout_corr/*`` (transform metrics and, with ``compute_metrics``,
+      the mismatch metrics of ``rollout_corr_metrics``). ``actor/pg_loss`` is the policy-gradient term alone.
 
     Raises:
-      ValueError: shape mismatches (names the arrays), invalid config, missing required log-probs.
+      ValueError: shape mismatches (names the arrays), invalid config, missing required log-probs or entropy.
     """
     if config is None:
         config = LossConfig()
@@ -428,8 +478,13 @@ def compute_policy_loss(logprobs, old_logprobs, rollout_logprobs, advantages, re
     rc = config.rollout_correction
     transform = correction_transform(config)
     check_same_shape(
-        logprobs=logprobs, old_logprobs=old_logprobs, rollout_logprobs=rollout_logprobs, response_mask=response_mask
+        logprobs=logprobs, old_logprobs=old_logprobs, rollout_logprobs=rollout_logprobs, response_mask=response_mask,
+        ref_logprobs=ref_logprobs, entropy=entropy,
     )
+    if config.use_kl_loss and ref_logprobs is None:
+        raise ValueError("LossConfig.use_kl_loss=True needs ref_logprobs (the reference policy's log-probs)")
+    if config.entropy_coeff != 0 and entropy is None:
+        raise ValueError(f"LossConfig.entropy_coeff={config.entropy_coeff} needs the per-token entropy")
     needs_rollout = rc.bypass_mode or config.compute_metrics or not isinstance(transform, Identity)
     if rollout_logprobs is None and needs_rollout:
         raise ValueError(
@@ -470,6 +525,17 @@ def compute_policy_loss(logprobs, old_logprobs, rollout_logprobs, advantages, re
                 config.clip_ratio_c, token_weights=weights, **agg,
             )
     metrics = dict(metrics)
+    if entropy is not None:  # verl: agg over the loss mask with the loss's mode; a bonus when entropy_coeff > 0
+        ent = agg_loss(entropy, corr_m, config.loss_agg_mode, config.loss_scale_factor)
+        metrics["actor/entropy"] = jax.lax.stop_gradient(ent)
+        if config.entropy_coeff != 0:
+            loss = loss - config.entropy_coeff * ent
+    if config.use_kl_loss:
+        kl = agg_loss(kl_penalty(logprobs, ref_logprobs, config.kl_loss_type, m), corr_m, config.loss_agg_mode,
+                      config.loss_scale_factor)
+        loss = loss + config.kl_loss_coef * kl
+        metrics["actor/kl_loss"] = jax.lax.stop_gradient(kl)
+        metrics["actor/kl_coef"] = jnp.asarray(config.kl_loss_coef, jnp.float32)
     metrics.update(corr_metrics)
     if config.compute_metrics and rollout_logprobs is not None:
         metrics.update(rollout_corr_metrics(target, rollout_logprobs, m))

@@ -37,6 +37,13 @@ class TrainConfig:
         ``"basic_arithmetic"`` (reasoning-gym, gin ``chain_sum_dataset.*``), ``"math"`` (MATH train proxy, 4,500
         problems) or ``"file"`` (a verl-layout parquet/jsonl, gin ``prompt_file_dataset.path``).
       reward: reward function name (:func:`fp8rl_jax.data.get_reward_fn`).
+      reward_fn: a user reward function ``(completion: str, item: PromptItem) -> float``, replacing ``reward``: a gin
+        reference (``train.reward_fn = @my_module.my_reward``, the function registered with ``@gin.register``) or an
+        import path (``"my_module.my_reward"``); None = ``reward``. Runs in a worker process with
+        ``reward_timeout_s`` per completion; a failure or timeout scores 0.0 and counts in ``reward/failures``
+        (``reward/timeouts``) (:mod:`fp8rl_jax.data.custom_reward`).
+      reward_timeout_s: seconds per completion for ``reward_fn`` (> 0); None runs it in the producer's thread with no
+        timeout (a failure still scores 0.0 and counts).
       num_steps: RL steps (one rollout + one policy update + one weight sync each).
       prompts_per_step: prompts per step (B); ``samples_per_prompt`` completions each (n, the GRPO group).
       max_tokens: response budget; ``temperature``/``top_p``/``top_k``: sampling (vLLM semantics).
@@ -134,6 +141,10 @@ class TrainConfig:
       mismatch_split: with ``max_staleness > 0``: keep the trainer's params of the versions in flight (one extra
         copy of the params per version, up to ``k``) and split ``rollout_corr/k3_kl`` into ``async/k3_precision``
         (trainer vs engine at the sampling version) and ``async/k3_policy_lag`` (trainer now vs then).
+      min_kept_fraction, min_kept_fraction_steps: warn once (naming these bindings) when the rollout correction keeps
+        less than ``min_kept_fraction`` of the response tokens (``rollout_corr/kept_token_fraction``, logged every
+        step) for ``min_kept_fraction_steps`` consecutive steps: a correction that drops everything trains on
+        nothing (:mod:`fp8rl_jax.trainer.correction_watch`). ``min_kept_fraction = 0`` turns the warning off.
       micro_batch_size: gradient accumulation: rows per forward/backward inside one optimizer update (maxtext
         ``gradient_accumulation_steps``, tunix ``train_micro_batch_size``); must divide the minibatch
         (``prompts_per_step * samples_per_prompt / num_minibatches``). The loss is normalized by the whole
@@ -153,6 +164,9 @@ class TrainConfig:
         ``$FP8RL_KERNELS``, else ``"auto"``), ``"auto"`` (the project's Pallas kernels and cuDNN attention, each family after a
         one-time self-test on the GPU that falls back to XLA with a warning), ``"xla"`` (XLA everywhere: the escape
         hatch) or ``"pallas"`` (the kernels without the self-test). CPU runs are unaffected.
+      autotune: kernel choice by timing on the GPU (:mod:`fp8rl_jax.kernels.tuner`): None (default:
+        ``$FP8RL_AUTOTUNE``, else ``"on"``), ``"off"`` (default candidates), ``"cached"`` (stored tables only) or
+        ``"on"`` (time untuned keys at first use, within ``$FP8RL_AUTOTUNE_BUDGET_S``). CPU runs are unaffected.
       kv_attention: the embedded engine's decode attention over an FP8 KV cache
         (:data:`fp8rl_jax.fp8.pallas_attention.KV_ATTENTION_IMPLS`: ``"auto"``, ``"materialize"``, ``"pallas"``,
         ``"interpret"``).
@@ -161,6 +175,12 @@ class TrainConfig:
         :func:`fp8rl_jax.models.moe.set_expert_impl`).
       logprobs_chunk_size: positions per chunk of the logprob/entropy computation (never a ``[B, T, vocab]``
         float32 array; :func:`fp8rl_jax.trainer.logprobs.token_logprobs`); None = all at once.
+      ref_precision: the reference policy of the KL loss term (``LossConfig.use_kl_loss``; the initial policy,
+        frozen, its log-probs computed once per batch): ``"train"`` (a copy of the initial float32 masters run with
+        the trainer's forward) or ``"fp8"`` (the initial weights as the FP8 engine holds them: W8A8 blockwise linears,
+        about a quarter of the memory) (:mod:`fp8rl_jax.trainer.reference`). Not checkpointed: rebuilt from
+        ``model`` when the trainer is built, so a resumed run has the same reference.
+      ref_offload: keep the reference's parameters in host memory (``pinned_host``) between uses.
       offload_optimizer: move the optimizer state to host memory (``pinned_host``) during each rollout and back
         before the update (:mod:`fp8rl_jax.trainer.offload`; tunix-style), freeing 8 bytes/param of accelerator
         memory for the engine. Results are unchanged; each step logs ``timing/offload_s`` and
@@ -171,6 +191,8 @@ class TrainConfig:
     model: str = "smollm2-135m-instruct"
     task: str = "chain_sum"
     reward: str = "chain_sum"
+    reward_fn: Any = None
+    reward_timeout_s: float | None = 10.0
     num_steps: int = 20
     prompts_per_step: int = 8
     samples_per_prompt: int = 4
@@ -235,15 +257,20 @@ class TrainConfig:
     scan_layers: bool = False
     attention_implementation: str = "auto"
     kernels: str | None = None
+    autotune: str | None = None
     kv_attention: str = "auto"
     expert_impl: str = "auto"
     logprobs_chunk_size: int | None = 2048
     offload_optimizer: bool = False
+    ref_precision: str = "train"
+    ref_offload: bool = False
     max_staleness: int = 0
     async_schedule: str = "fixed"
     partial_rollout: bool = False
     partial_rollout_tokens: int = 32
     mismatch_split: bool = False
+    min_kept_fraction: float = 0.05
+    min_kept_fraction_steps: int = 3
 
     @property
     def response_budget(self) -> int:
@@ -285,6 +312,19 @@ class TrainConfig:
         choice("mismatch_action", MISMATCH_ACTIONS)
         check_staleness(self.max_staleness, self.async_schedule, self.partial_rollout)
         self._int_at_least("partial_rollout_tokens", 1)
+        from fp8rl_jax.trainer.reference import REF_PRECISIONS
+
+        choice("ref_precision", REF_PRECISIONS)
+        if self.reward_fn is not None and not (callable(self.reward_fn) or isinstance(self.reward_fn, str)):
+            raise ValueError(f"train.reward_fn={self.reward_fn!r} is a {type(self.reward_fn).__name__}; expected a "
+                             "function (completion, item) -> float, e.g. @my_module.my_reward, or an import path "
+                             "'my_module.my_reward'")
+        if self.reward_timeout_s is not None and not self.reward_timeout_s > 0:
+            raise ValueError(f"train.reward_timeout_s must be > 0 or None, got {self.reward_timeout_s!r}")
+        if not 0 <= self.min_kept_fraction <= 1:
+            raise ValueError(f"train.min_kept_fraction must be in [0, 1] (0 = no warning), got "
+                             f"{self.min_kept_fraction!r}")
+        self._int_at_least("min_kept_fraction_steps", 1)
         if self.max_staleness > 0 and self.offload_optimizer:
             raise ValueError("train.offload_optimizer=True needs train.max_staleness=0: the optimizer state cannot "
                              "wait in host memory during rollout when rollout and training overlap")
@@ -311,6 +351,9 @@ class TrainConfig:
         from fp8rl_jax.models.moe import EXPERT_IMPLS
 
         choice("kernels", (None,) + MODES)
+        from fp8rl_jax.kernels.tuner import MODES as AUTOTUNE_MODES
+
+        choice("autotune", (None,) + AUTOTUNE_MODES)
         choice("kv_attention", KV_ATTENTION_IMPLS)
         choice("expert_impl", EXPERT_IMPLS)
         minibatch = self.prompts_per_step * self.samples_per_prompt // self.num_minibatches
@@ -325,6 +368,22 @@ class TrainConfig:
         if self.learning_rate <= 0:
             raise ValueError(f"train.learning_rate must be > 0, got {self.learning_rate}")
         self._check_dapo_and_eval()
+
+    def start_warnings(self) -> list[str]:
+        """Settings that are valid but do nothing, one line each naming the bindings (the trainer warns with them
+        when it starts; :class:`fp8rl_jax.trainer.RLTrainer`).
+
+        * ``train.partial_rollout=True`` with ``train.partial_rollout_tokens`` >= the response budget: every row is
+          generated in one chunk, so no update ever lands inside a sequence.
+        """
+        out = []
+        if self.partial_rollout and self.partial_rollout_tokens >= self.response_budget:
+            out.append(f"train.partial_rollout=True does nothing here: train.partial_rollout_tokens="
+                       f"{self.partial_rollout_tokens} >= the response budget {self.response_budget} "
+                       "(train.max_tokens / train.max_response_length), so every sequence is generated in one chunk "
+                       "and never cut by a weights update; lower train.partial_rollout_tokens below the budget, or "
+                       "set train.partial_rollout=False")
+        return out
 
     def _check_dapo_and_eval(self):
         int_at_least = self._int_at_least

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fp8rl_jax.models.decoder import CausalLM, left_pad, positions_from_mask  # noqa: F401 (re-export)
+from fp8rl_jax.objectives.kl_entropy import entropy_from_logits
 
 # Positions per logits chunk: 2048 x 151936 (Qwen3 vocab) x 4 B = 1.2 GB of float32 logits at a time, against
 # 8 x 1024 x 151936 x 4 B = 5 GB (twice, with log_softmax) for a [B=8, T=1024] minibatch unchunked.
@@ -26,11 +27,13 @@ DEFAULT_CHUNK_SIZE = 2048
 def response_logprobs_and_routing(model: CausalLM, prompt_ids: jax.Array, prompt_mask: jax.Array,
                                   response_ids: jax.Array, temperature: float | jax.Array = 1.0,
                                   routed_experts: jax.Array | None = None, *,
-                                  chunk_size: int | None = DEFAULT_CHUNK_SIZE, return_entropy: bool = False):
+                                  chunk_size: int | None = DEFAULT_CHUNK_SIZE, return_entropy: bool = False,
+                                  entropy_grad: bool = False):
     """:func:`response_logprobs` plus the router's own top-k ids of every column.
 
     ``chunk_size`` (positions per logits chunk, see :func:`token_logprobs`) bounds the logits memory; with
-    ``return_entropy`` a third element, the float32 ``[B, T]`` entropy (nats, no gradient), is returned.
+    ``return_entropy`` a third element, the float32 ``[B, T]`` entropy (nats) is returned, differentiable with
+    ``entropy_grad`` (the entropy bonus, ``LossConfig.entropy_coeff``), else under ``stop_gradient``.
 
     Returns:
       ``(logprobs float32 [B, T], router_ids int32 [B, P + T, L, k] or None)``: ``router_ids`` is the top-k each
@@ -49,12 +52,13 @@ def response_logprobs_and_routing(model: CausalLM, prompt_ids: jax.Array, prompt
     h, _, router_ids = model.hidden_states(ids, positions, kv_mask, routed_experts=routed_experts,
                                            return_routing=True)
     logp, entropy = token_logprobs(model.logits, h[:, p - 1:p + t - 1], response_ids, temperature,
-                                   chunk_size=chunk_size, with_entropy=return_entropy)
+                                   chunk_size=chunk_size, with_entropy=return_entropy, entropy_grad=entropy_grad)
     return (logp, router_ids, entropy) if return_entropy else (logp, router_ids)
 
 
 def token_logprobs(logits_fn, h: jax.Array, targets: jax.Array, temperature: float | jax.Array = 1.0, *,
-                   chunk_size: int | None = DEFAULT_CHUNK_SIZE, with_entropy: bool = False):
+                   chunk_size: int | None = DEFAULT_CHUNK_SIZE, with_entropy: bool = False,
+                   entropy_grad: bool = False):
     """Per-token ``log softmax(logits / temperature)[target]`` (and entropy) without materializing ``[B, T, V]``.
 
     The ``B * T`` positions are processed ``chunk_size`` at a time (``jax.lax.map``); each chunk's
@@ -62,7 +66,10 @@ def token_logprobs(logits_fn, h: jax.Array, targets: jax.Array, temperature: flo
     (``jax.checkpoint``) so the backward pass does not keep them either: peak logits memory is
     ``chunk_size * V * 4`` bytes instead of ``B * T * V * 4`` (tunix ``compute_logps_chunk_size``, maxtext vocab
     tiling). ``log_softmax(z)[y] = z_y - logsumexp(z)``; entropy ``H = logsumexp(z) - sum(softmax(z) * z)`` (nats,
-    of the temperature-scaled distribution, as verl's ``actor/entropy``), returned under ``stop_gradient``.
+    of the temperature-scaled distribution, as verl's ``actor/entropy``), returned under ``stop_gradient`` unless
+    ``entropy_grad`` (then :func:`fp8rl_jax.objectives.kl_entropy.entropy_from_logits` of the chunk, whose gradient
+    flows into ``h`` and the logits function's parameters, recomputed per chunk in the backward pass like the
+    log-probs).
 
     Args:
       logits_fn: ``[N, hidden] -> [N, V]`` float32 (e.g. :meth:`CausalLM.logits`).
@@ -72,6 +79,7 @@ def token_logprobs(logits_fn, h: jax.Array, targets: jax.Array, temperature: flo
       chunk_size: positions per chunk (> 0), or None for one chunk (the plain ``[B, T, V]`` computation). When
         ``B * T <= chunk_size`` the single chunk is computed directly (no recompute in the backward pass).
       with_entropy: also return the entropy.
+      entropy_grad: the entropy carries its gradient (needs ``with_entropy``).
 
     Returns:
       ``(logprobs float32 [B, T], entropy float32 [B, T] or None)``.
@@ -94,6 +102,8 @@ def token_logprobs(logits_fn, h: jax.Array, targets: jax.Array, temperature: flo
         lp = jnp.take_along_axis(z, tc[:, None], axis=-1)[:, 0] - lse
         if not with_entropy:
             return lp, None
+        if entropy_grad:
+            return lp, entropy_from_logits(z)
         zs = jax.lax.stop_gradient(z)
         ent = jax.lax.stop_gradient(lse) - jnp.sum(jax.nn.softmax(zs, axis=-1) * zs, axis=-1)
         return lp, ent

@@ -29,8 +29,10 @@ from flax import nnx
 
 from fp8rl_jax import objectives
 from fp8rl_jax.data import get_reward_fn, make_train_dataset
+from fp8rl_jax.data.custom_reward import CustomReward
 from fp8rl_jax.export import ModelParamsReader, export_weights
 from fp8rl_jax.fp8.kernels import set_kernel_mode
+from fp8rl_jax.kernels.tuner import set_autotune_mode
 from fp8rl_jax.fp8.kv_cache import (KV_SCALE_CALIBRATIONS, KVScales, calibrate_kv_scales, masked_row_absmax,
                                     normalize_kv_cache_dtype)
 from fp8rl_jax.models.decoder import positions_from_mask, qkv_absmax_from_intermediates, set_qkv_capture
@@ -44,6 +46,7 @@ from fp8rl_jax.trainer.checkpoint import (CheckpointStore, load_model_state, loa
                                           optimizer_state)
 from fp8rl_jax.trainer import dapo
 from fp8rl_jax.trainer.config import TrainConfig
+from fp8rl_jax.trainer.correction_watch import KeptFractionWatch, kept_token_fraction
 from fp8rl_jax.trainer.interrupts import deferred_sigint
 from fp8rl_jax.trainer.model_setup import configure_train_model
 from fp8rl_jax.trainer.producer import RolloutProducerMixin, sync_options
@@ -52,12 +55,27 @@ from fp8rl_jax.trainer.pipeline import RolloutJob, RolloutPipeline, RolloutVersi
 from fp8rl_jax.trainer.distributed import to_host
 from fp8rl_jax.trainer.precision import (LossScaleConfig, LossScaleState, compute_dtype,
                                          init_loss_scale, wrap_optimizer)
+from fp8rl_jax.trainer.reference import ReferencePolicy
 from fp8rl_jax.trainer.logprobs import left_pad, response_logprobs, sequence_routing
 from fp8rl_jax.trainer.train_step import CompiledTrainStep, StepOptions, check_micro_batching
 
 _WEIGHT_BITS = {"fp8": 8, "bf16": 16, "float32": 32}
 _ADVANTAGES = {"grpo": objectives.grpo_advantages, "drgrpo": objectives.drgrpo_advantages,
                "rloo": objectives.rloo_advantages}
+
+
+def make_reward_fn(cfg: TrainConfig):
+    """The run's reward function ``(completion, item) -> float``: the user's ``train.reward_fn`` as a
+    :class:`fp8rl_jax.data.custom_reward.CustomReward` (worker process, ``train.reward_timeout_s``, failures scored 0
+    and counted), else the built-in ``train.reward`` (:func:`fp8rl_jax.data.get_reward_fn`).
+
+    Raises:
+      ValueError: an unknown ``train.reward``; a ``train.reward_fn`` that cannot be imported or whose worker cannot
+        start (one line naming the binding).
+    """
+    if cfg.reward_fn is None:
+        return get_reward_fn(cfg.reward)
+    return CustomReward(cfg.reward_fn, cfg.reward_timeout_s)
 
 
 def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
@@ -87,6 +105,8 @@ class RLTrainer(RolloutProducerMixin, StalenessMixin):
     def __init__(self, config: TrainConfig, loss_config: Any = None, engine: RolloutEngine | None = None,
                  dataset: Any = None):
         self.cfg = config
+        for msg in config.start_warnings():  # valid settings that do nothing: say so before any work
+            warnings.warn(msg, UserWarning, stacklevel=2)
         if engine is not None and config.verify_sync != "off" and not hasattr(engine, "score"):
             raise ValueError(
                 f"train.verify_sync={config.verify_sync!r} cannot be honoured: {type(engine).__name__} has no "
@@ -110,8 +130,10 @@ class RLTrainer(RolloutProducerMixin, StalenessMixin):
         #: from the trainer's thread), e.g. :class:`fp8rl_jax.trainer.progress.PhaseDisplay`; None = silent
         self.on_phase = None
         set_kernel_mode(config.kernels)  # before anything is traced: programs lowered for CUDA pick kernels by it
+        set_autotune_mode(config.autotune)  # likewise: how kernel configurations are chosen (timed, cached, off)
         self.loss_config = loss_config if loss_config is not None else objectives.LossConfig()
-        self.reward_fn = get_reward_fn(config.reward)
+        self._kept_watch = KeptFractionWatch(config.min_kept_fraction, config.min_kept_fraction_steps)
+        self.reward_fn = make_reward_fn(config)  # a user train.reward_fn starts its worker here (import errors now)
         # the prompts before the model: a missing or bad prompt file fails in seconds, not after a load
         self.dataset = dataset if dataset is not None else make_train_dataset(config.task, config.seed)
         minibatch = config.prompts_per_step * config.samples_per_prompt // config.num_minibatches
@@ -138,6 +160,16 @@ class RLTrainer(RolloutProducerMixin, StalenessMixin):
                       f"{self.sharding_plan.summary()}", flush=True)
         del params
         configure_train_model(self.model, config, model_cfg, self.mesh)
+        #: the frozen initial policy of the KL term (LossConfig.use_kl_loss), else None: built before any update and
+        #: never checkpointed (rebuilt from train.model on resume; fp8rl_jax.trainer.reference)
+        self.reference = None
+        if self.loss_config.use_kl_loss:
+            self.reference = ReferencePolicy(self.model, precision=config.ref_precision, offload=config.ref_offload,
+                                             model_config=model_cfg, mesh=self.mesh, expert_impl=config.expert_impl)
+        elif config.ref_precision != "train" or config.ref_offload:
+            warnings.warn(f"train.ref_precision={config.ref_precision!r} / train.ref_offload={config.ref_offload} do "
+                          "nothing: there is no reference policy without LossConfig.use_kl_loss=True",
+                          UserWarning, stacklevel=2)
         self.optimizer = nnx.Optimizer(self.model, wrap_optimizer(make_optimizer(config), config.train_precision),
                                        wrt=nnx.Param)
         self.loss_scale_config = None
@@ -387,6 +419,18 @@ class RLTrainer(RolloutProducerMixin, StalenessMixin):
         err = self.verify_sync()
         self._syncs_verified += 1
         return err
+
+    def check_kept_fraction(self, batch: dict) -> float:
+        """The fraction of this step's response tokens the rollout correction keeps in the loss
+        (``rollout_corr/kept_token_fraction``); warns once (RuntimeWarning) when it stays below
+        ``train.min_kept_fraction`` for ``train.min_kept_fraction_steps`` steps in a row
+        (:mod:`fp8rl_jax.trainer.correction_watch`)."""
+        kept = kept_token_fraction(self.loss_config, batch["old_logprobs"], batch["rollout_logprobs"],
+                                   batch["response_mask"], batch["advantages"])
+        msg = self._kept_watch.update(self.step_count + 1, kept)
+        if msg:
+            warnings.warn(msg, RuntimeWarning, stacklevel=2)
+        return kept
 
     def check_mismatch(self, metrics: dict[str, float]) -> None:
         """Warn or stop (``train.mismatch_action``) when ``rollout_corr/k3_kl`` exceeds the bound for the rollout
@@ -667,6 +711,14 @@ class RLTrainer(RolloutProducerMixin, StalenessMixin):
                                                    batch["response_ids"], cfg.temperature,
                                                    batch.get("rollout_routing") if cfg.routing_replay else None)
         t_old = time.perf_counter() - t0
+        if self.reference is not None:  # the KL term's reference log-probs: once per batch, before any update
+            t0 = time.perf_counter()
+            batch["ref_logprobs"] = self.reference.logprobs(self._logprobs, batch["prompt_ids"], batch["prompt_mask"],
+                                                            batch["response_ids"], cfg.temperature,
+                                                            batch.get("rollout_routing") if cfg.routing_replay
+                                                            else None)
+            jax.block_until_ready(batch["ref_logprobs"])
+            async_metrics["timing/ref_logprobs_s"] = time.perf_counter() - t0
         if cfg.mismatch_split and cfg.max_staleness > 0:  # the trainer's policy at each sampling version, pre-update
             async_metrics.update(self._mismatch_split(job, batch))
 
@@ -696,6 +748,7 @@ class RLTrainer(RolloutProducerMixin, StalenessMixin):
             batch["old_logprobs"] = to_host(batch["old_logprobs"])
         t_train = time.perf_counter() - t0
         corr = objectives.rollout_corr_metrics(batch["old_logprobs"], batch["rollout_logprobs"], batch["response_mask"])
+        corr["rollout_corr/kept_token_fraction"] = self.check_kept_fraction(batch)
         if cfg.max_staleness == 0:
             self.check_mismatch({k: float(v) for k, v in corr.items()})
         else:

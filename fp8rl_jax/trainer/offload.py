@@ -39,6 +39,26 @@ def move_optimizer_state(optimizer, memory_kind: str) -> int:
     Raises:
       ValueError: a device of the state has no memory of that kind (names the device and the kinds it has).
     """
+    return move_state(optimizer, memory_kind, nnx.OptState, what="optimizer state")
+
+
+def move_state(module, memory_kind: str, state_filter=nnx.Param, *, what: str = "parameters") -> int:
+    """Move every array of ``nnx.state(module, state_filter)`` to ``memory_kind`` (sharding otherwise kept), as
+    :func:`move_optimizer_state` does for an optimizer; e.g. the frozen reference policy's parameters between uses
+    (:mod:`fp8rl_jax.trainer.reference`).
+
+    Args:
+      module: an ``nnx.Module`` (or ``nnx.Optimizer``).
+      memory_kind: ``"pinned_host"`` or ``"device"`` (any kind the arrays' devices have).
+      state_filter: an nnx filter (default ``nnx.Param``).
+      what: how the error message names the state.
+
+    Returns:
+      bytes moved (arrays already in ``memory_kind`` are left alone).
+
+    Raises:
+      ValueError: a device of the state has no memory of that kind (names the device and the kinds it has).
+    """
     moved = [0]
 
     def move(x):
@@ -48,14 +68,20 @@ def move_optimizer_state(optimizer, memory_kind: str) -> int:
             kinds = [m.kind for m in d.addressable_memories()]
             if memory_kind not in kinds:
                 raise ValueError(f"device {d} has no {memory_kind!r} memory (it has {kinds}); cannot move the "
-                                 "optimizer state there")
+                                 f"{what} there")
         moved[0] += int(x.nbytes)
         return jax.device_put(x, x.sharding.with_memory_kind(memory_kind))
 
-    nnx.update(optimizer, jax.tree.map(move, nnx.state(optimizer, nnx.OptState)))
+    nnx.update(module, jax.tree.map(move, nnx.state(module, state_filter)))
     return moved[0]
 
 
 def optimizer_memory_kinds(optimizer) -> set[str]:
     """The memory kinds the optimizer-state arrays live in now (e.g. ``{"device"}``)."""
     return {x.sharding.memory_kind for x in _opt_arrays(optimizer)}
+
+
+def state_memory_kinds(module, state_filter=nnx.Param) -> set[str]:
+    """The memory kinds the arrays of ``nnx.state(module, state_filter)`` live in now (e.g. ``{"pinned_host"}``)."""
+    return {x.sharding.memory_kind for x in jax.tree.leaves(nnx.state(module, state_filter))
+            if isinstance(x, jax.Array)}

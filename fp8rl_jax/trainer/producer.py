@@ -215,7 +215,8 @@ class RolloutProducerMixin:
           hooks: the producer's pipeline (asynchronous mode), None when the trainer makes it itself.
 
         Returns:
-          a :class:`~fp8rl_jax.trainer.pipeline.RolloutJob`.
+          a :class:`~fp8rl_jax.trainer.pipeline.RolloutJob`; with a user ``train.reward_fn`` its ``extra_metrics`` hold
+          ``reward/failures`` and ``reward/timeouts`` (completions of this batch scored 0 for an error / a timeout).
 
         Raises:
           RolloutVersionError: the engine reports another version than the one applied.
@@ -267,6 +268,9 @@ class RolloutProducerMixin:
                 t_offload += time.perf_counter() - t0
         extra = {"timing/offload_s": t_offload, "memory/optimizer_offloaded_gb": offloaded / 2**30} \
             if cfg.offload_optimizer else {}
+        take_counts = getattr(self.reward_fn, "take_counts", None)
+        if take_counts is not None:  # a user train.reward_fn: completions scored 0 for an error / a timeout
+            extra.update(take_counts())
         return RolloutJob(step, sb, dapo_metrics, sb.rollout.token_versions, rollout_s=timers["rollout"],
                           reward_s=timers["reward"], gen_batches=gen_batches[0], extra_metrics=extra,
                           probe_abs_diff=self._async_probe_diff if hooks is not None else math.nan,

@@ -197,8 +197,29 @@ def train(config: TrainConfig | None = None, *, trainer: RLTrainer | None = None
           f"{os.path.join(out, 'summary.json')}\n"
           + (f"  plots: {', '.join(plots)}\n" if plots else "")
           + (f"  checkpoints: {ckpt_dir} (steps {ckpts}; continue with --resume)\n" if ckpts else "")
-          + f"  TensorBoard: tensorboard --logdir {os.path.join(out, 'tensorboard')}", flush=True)
+          + f"  TensorBoard: {tensorboard_command(os.path.join(out, 'tensorboard'))}", flush=True)
     return history
+
+
+def tensorboard_command(logdir: str) -> str:
+    """The command that shows ``logdir`` in TensorBoard from this environment, or what to install first.
+
+    The run writes its events with ``tensorboardX`` (a core dependency); the ``tensorboard`` viewer is not one, so
+    the environment ``make train`` builds lacks it. Where it is missing the line says so and names this
+    interpreter's pip; where it is installed but not on ``PATH`` (a venv not activated) it names the venv's script.
+    """
+    import importlib.util
+    import shutil
+
+    cmd = f"tensorboard --logdir {logdir}"
+    if importlib.util.find_spec("tensorboard") is None:
+        return (f"{cmd}  (the tensorboard viewer is not installed in this environment: "
+                f"{sys.executable} -m pip install tensorboard)")
+    if shutil.which("tensorboard") is None:
+        script = os.path.join(os.path.dirname(sys.executable), "tensorboard")
+        if os.path.exists(script):
+            return f"{script} --logdir {logdir}  (or, with the environment activated, {cmd})"
+    return cmd
 
 
 def completed_run(cfg: TrainConfig) -> list[dict[str, Any]] | None:

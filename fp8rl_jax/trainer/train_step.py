@@ -15,7 +15,9 @@ minibatch's* loss, not a mean of per-micro-batch losses: every ``loss_agg_mode``
   the minibatch;
 * ``seq-mean-token-sum-norm``: ``w_k = 1``, ``Z = 1`` (a constant normalizer ``T`` or ``loss_scale_factor``).
 
-The aggregation mask is the rollout-correction mask (rejection sampling removes tokens from the denominator, as
+The KL-to-reference and entropy terms of the loss (``LossConfig.use_kl_loss`` / ``entropy_coeff``) are aggregated
+with the same mode over the same mask as the policy loss, so ``loss_k`` (all terms of micro-batch ``k``) decomposes
+the same way. The aggregation mask is the rollout-correction mask (rejection sampling removes tokens from the denominator, as
 in :func:`fp8rl_jax.objectives.compute_policy_loss`), recomputed here from the same transform. ``w_k`` and ``Z``
 carry no gradient (masks are stop-gradient), so ``grad = sum_k grad(w_k * loss_k) / Z`` exactly. This requires the
 correction weights of a row to depend on that row only: ``rollout_is_batch_normalize`` (weights divided by the
@@ -101,23 +103,46 @@ def check_micro_batching(loss_config) -> None:
                          "Veto, OffPolicySequenceMasking, TrustRegionMasking, chains of them)")
 
 
+def _ref_logprobs(b: dict, loss_config):
+    """The batch's reference log-probs when the loss has a KL term (``LossConfig.use_kl_loss``), else None.
+
+    Raises:
+      ValueError: ``use_kl_loss`` and the batch has no ``"ref_logprobs"`` (the trainer computes them once per batch:
+        :mod:`fp8rl_jax.trainer.reference`).
+    """
+    if not loss_config.use_kl_loss:
+        return None
+    if "ref_logprobs" not in b:
+        raise ValueError("LossConfig.use_kl_loss=True but the batch has no 'ref_logprobs' (the reference policy's "
+                         "log-probs, float32 [R, T]; RLTrainer computes them once per batch)")
+    return b["ref_logprobs"]
+
+
 def _forward_loss(model, b: dict, opts: StepOptions, on_policy: bool):
-    """One forward + policy loss on (micro-)batch ``b``: ``(loss, metrics, logprobs, old, router_ids, qkv)``."""
+    """One forward + policy loss on (micro-)batch ``b``: ``(loss, metrics, logprobs, old, router_ids, qkv, entropy)``.
+
+    ``entropy`` (float32 ``[rows, T]``, or None) is computed in the same chunked logits pass as the log-probs when
+    the loss needs it (``LossConfig.needs_entropy``), with its gradient when ``entropy_coeff != 0``.
+    """
+    lc = opts.loss_config
     args = (b["prompt_ids"], b["prompt_mask"], b["response_ids"], opts.temperature,
             b.get("rollout_routing") if opts.routing_replay else None)
+    kw = dict(chunk_size=opts.logprobs_chunk_size, return_entropy=lc.needs_entropy,
+              entropy_grad=lc.entropy_coeff != 0)
     qkv = None
     if opts.capture_qkv:
-        (lp, router_ids), inter = nnx.capture(response_logprobs_and_routing, nnx.Intermediate)(
-            model, *args, chunk_size=opts.logprobs_chunk_size)
+        out, inter = nnx.capture(response_logprobs_and_routing, nnx.Intermediate)(model, *args, **kw)
         real = jnp.concatenate([b["prompt_mask"], b["response_mask"] > 0], axis=1)
         qkv = masked_row_absmax(qkv_absmax_from_intermediates(inter, opts.num_layers), real)
     else:
-        lp, router_ids = response_logprobs_and_routing(model, *args, chunk_size=opts.logprobs_chunk_size)
+        out = response_logprobs_and_routing(model, *args, **kw)
+    lp, router_ids, entropy = out if lc.needs_entropy else (*out, None)
     # on_policy: one update per step, so the policy at the update IS the old policy: old = stop_gradient(lp)
     old = jax.lax.stop_gradient(lp) if on_policy else b["old_logprobs"]
     loss, metrics = objectives.compute_policy_loss(lp, old, b["rollout_logprobs"], b["advantages"],
-                                                   b["response_mask"], opts.loss_config)
-    return loss, metrics, lp, old, router_ids, qkv
+                                                   b["response_mask"], lc, ref_logprobs=_ref_logprobs(b, lc),
+                                                   entropy=entropy)
+    return loss, metrics, lp, old, router_ids, qkv, entropy
 
 
 def _with_routing_metric(metrics, router_ids, b, opts):
@@ -160,8 +185,8 @@ def loss_and_grads(model, batch: dict, opts: StepOptions, on_policy: bool, loss_
       model: the policy (:class:`fp8rl_jax.models.decoder.CausalLM`).
       batch: ``prompt_ids`` int32 ``[R, P]``, ``prompt_mask`` bool ``[R, P]``, ``response_ids`` int32 ``[R, T]``,
         ``response_mask`` ``[R, T]``, ``rollout_logprobs`` float32 ``[R, T]``, ``advantages`` float32 ``[R]``;
-        optional ``old_logprobs`` ``[R, T]`` (needed unless ``on_policy``) and ``rollout_routing`` int32
-        ``[R, P + T, L, k]``.
+        optional ``old_logprobs`` ``[R, T]`` (needed unless ``on_policy``), ``ref_logprobs`` float32 ``[R, T]``
+        (needed with ``LossConfig.use_kl_loss``) and ``rollout_routing`` int32 ``[R, P + T, L, k]``.
       opts: :class:`StepOptions`.
       on_policy: ``old_logprobs := stop_gradient(logprobs)`` (one update per step).
       loss_scale: fp16 loss scale (scalar) the loss is multiplied by before differentiation, or None.
@@ -180,7 +205,7 @@ def loss_and_grads(model, batch: dict, opts: StepOptions, on_policy: bool, loss_
     scale = 1.0 if loss_scale is None else loss_scale
     if mbs is None or mbs >= rows:
         def loss_fn(model):
-            loss, metrics, _, old, router_ids, qkv = _forward_loss(model, batch, opts, on_policy)
+            loss, metrics, _, old, router_ids, qkv, _ = _forward_loss(model, batch, opts, on_policy)
             metrics = _with_routing_metric(metrics, router_ids, batch, opts)
             return loss * scale, (metrics, old, loss, qkv)
 
@@ -206,28 +231,31 @@ def loss_and_grads(model, batch: dict, opts: StepOptions, on_policy: bool, loss_
 
         def f(p):
             m = nnx.merge(graphdef, p, rest)
-            loss_k, _, lp, old, router_ids, qkv = _forward_loss(m, mb, opts, on_policy)
+            loss_k, _, lp, old, router_ids, qkv, ent = _forward_loss(m, mb, opts, on_policy)
             w, zk = _aggregation_weight(lp, old, mb, opts.loss_config)
-            return loss_k * w * scale, (jax.lax.stop_gradient(lp), old, router_ids, qkv, zk)
+            ent = None if ent is None else jax.lax.stop_gradient(ent)
+            return loss_k * w * scale, (jax.lax.stop_gradient(lp), old, router_ids, qkv, zk, ent)
 
-        g, (lp, old, router_ids, qkv, zk) = jax.grad(f, has_aux=True)(params)
+        g, (lp, old, router_ids, qkv, zk, ent) = jax.grad(f, has_aux=True)(params)
         gacc = jax.tree.map(jnp.add, gacc, g)
-        return (gacc, z + zk), (lp, old, router_ids, qkv)
+        return (gacc, z + zk), (lp, old, router_ids, qkv, ent)
 
     zeros = jax.tree.map(jnp.zeros_like, params)
-    (gacc, z), (lp, old, router_ids, qkv) = jax.lax.scan(body, (zeros, jnp.zeros((), jnp.float32)), micro)
+    (gacc, z), (lp, old, router_ids, qkv, ent) = jax.lax.scan(body, (zeros, jnp.zeros((), jnp.float32)), micro)
     if opts.loss_config.loss_agg_mode == "seq-mean-token-sum-norm":
         grads = gacc
     else:
         denom = jnp.where(z > 0, z, 1.0)
         grads = jax.tree.map(lambda g: g / denom, gacc)
     lp, old = from_micro(lp), from_micro(old)
+    ent = from_micro(ent) if ent is not None else None
     router_ids = from_micro(router_ids) if router_ids is not None else None
     if qkv is not None:  # [K, L, 3, mbs] -> [L, 3, R]
         qkv = jnp.transpose(qkv, (1, 2, 3, 0)).reshape(qkv.shape[1], qkv.shape[2], rows)
     # loss value and metrics of the whole minibatch (exactly the un-accumulated step's)
     loss, metrics = objectives.compute_policy_loss(lp, old, batch["rollout_logprobs"], batch["advantages"],
-                                                   batch["response_mask"], opts.loss_config)
+                                                   batch["response_mask"], opts.loss_config,
+                                                   ref_logprobs=_ref_logprobs(batch, opts.loss_config), entropy=ent)
     metrics = _with_routing_metric(metrics, router_ids, batch, opts)
     return grads, loss, metrics, old, qkv
 

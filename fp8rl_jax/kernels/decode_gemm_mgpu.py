@@ -1,0 +1,483 @@
+"""Swap-AB split-K W8A8 decode GEMM for Hopper (Pallas Mosaic GPU, FP8 ``wgmma``): M <= 64 tokens (issue 37).
+
+Why: the decode GEMM streams the weight (``2 M`` FLOP per weight byte), so its speed is the HBM read rate. The
+Pallas-Triton split-K kernel before it re-quantized the activations in every 128-wide K step (a NaN map, max/min,
+a division per element, the e4m3 cast, f16 widening: 0.5-1.0 warp-instructions per weight byte with M padded to 16),
+kept at most 2 steps in flight per program and ran f16 ``mma.sync``; on an H200 it reached 3-13% of the 4.8 TB/s
+(issue 37's profile). This kernel is designed from the roofline instead:
+
+* **swap-AB** (vLLM's DeepGEMM path at M < 32, TRT-LLM's blockscale GEMM): the weight ``[N, K]`` is wgmma's A
+  operand (64 rows per compute warpgroup, K-major in shared memory), the tokens ``[M_pad, K]`` are its B operand
+  through ``transpose_ref`` (K-major too, as e4m3 wgmma requires), ``N_wgmma = M_pad``, a multiple of 8 (8..64):
+  ``wgmma.mma_async...m64n{M_pad}k32.f32.e4m3.e4m3``. No token padding to 64 or 16: at M = 1 the B tile is 8 rows;
+* **activations quantized once per layer, outside the kernel** (1x128 groups, XLA, fused with the RMSNorm that
+  produces them): the K loop holds no division, no amax, no cast: per K block it issues 4 wgmma instructions,
+  reads one weight-scale scalar and an ``[M_pad]`` token-scale row, and promotes (``acc += p * (ws * xs)``:
+  ``M_pad / 2`` FMAs per thread);
+* **a TMA ring** of ``stages`` K blocks (default 6): per stage ``128 * 64 * compute_wgs`` weight bytes (16 KiB with
+  two warpgroups) + ``128 * M_pad`` token bytes + ``4 * M_pad`` scale bytes; 6 stages keep ~96 KiB of weight in
+  flight per CTA, over the ~24-48 KiB per SM that Little's law asks for at 3.35-4.8 TB/s and ~0.7 us latency;
+* **split-K** over a ``(N / (64 * compute_wgs), splits)`` grid (:func:`choose_config` picks ``splits``, a divisor
+  of the K-block count, for the best wave efficiency on 132 SMs with the CTAs that fit per SM); each CTA writes its
+  float32 partial ``[64 * compute_wgs, M_pad]`` to ``partials[split]``. The reduction over splits (and the SwiGLU
+  ``silu(gate) * up`` or the residual add of the caller) runs in one XLA fusion after the kernel, so nothing
+  non-linear comes before the sum.
+
+Semantics: vLLM's W8A8 blockwise contract, ``y[m, n] = sum_kb (xq[m, kb] . wq[n, kb]) * xs[m, kb] * ws[n // 128,
+kb]`` with DeepGEMM's promotion (each K block's wgmma partial starts at zero in float32 and is scaled before it is
+added), exactly the numerics of :func:`fp8rl_jax.fp8.mosaic_gemm.mosaic_w8a8_matmul` per K block; the split-K
+partial sums add in another order (float32 rounding of ``splits`` terms).
+
+Interpret mode (``interpret=True``) runs the same kernel in Mosaic GPU's interpreter on the CPU (tests).
+The tuning configuration is :class:`DecodeGemmConfig`; ``python -m fp8rl_jax.kernels.decode_gemm_mgpu`` times the
+Qwen3-8B decode shapes on a GPU (``main``), printing achieved HBM bandwidth per config.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from fp8rl_jax.fp8.formats import BLOCK_SIZE
+from fp8rl_jax.fp8.mosaic_gemm import (HOPPER_SMEM_BYTES, SMEM_MARGIN_BYTES, WG_ROWS, _interpret_params, _pad_to,
+                                       _swizzled, check_operands)
+
+#: SMs of an H100 SXM / H200 (both 132)
+HOPPER_SMS = 132
+#: shared memory per SM on Hopper (228 KiB; a CTA may use at most :data:`HOPPER_SMEM_BYTES` of it)
+HOPPER_SMEM_PER_SM = 233472
+#: the most tokens this kernel takes (wgmma N <= 256; beyond 64 the prefill GEMM is the better shape)
+MAX_TOKENS = 64
+#: Little's law at 4.8 TB/s and ~0.7 us of memory latency, per SM: the bytes each SM must have in flight (24 KiB)
+MIN_BYTES_IN_FLIGHT_PER_SM = 24576
+
+
+def padded_tokens(m: int) -> int:
+    """Tokens as the kernel sees them: ``m`` rounded up to a multiple of 8 (wgmma N; a 16-byte row cannot be
+    swizzled), at least 8.
+
+    Raises:
+      ValueError: ``m`` outside ``1..64``.
+    """
+    if not 1 <= m <= MAX_TOKENS:
+        raise ValueError(f"decode GEMM takes 1..{MAX_TOKENS} tokens, got {m}")
+    return max(8, -(-m // 8) * 8)
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeGemmConfig:
+    """Tuning configuration of :func:`decode_w8a8_matmul` (hashable; a static argument).
+
+    Attributes:
+      compute_wgs: compute warpgroups per CTA (1 or 2), each owning 64 weight rows: ``cta_n = 64 * compute_wgs``
+        rows of N per CTA (dividing the 128-row weight-scale block, so a CTA reads one weight scale per K block).
+      stages: TMA ring depth (K blocks in flight per CTA).
+      splits: split-K factor (must divide the K-block count): the grid is ``(N / cta_n, splits)``.
+      memory_registers: registers per thread of the TMA warpgroup.
+    """
+
+    compute_wgs: int = 2
+    stages: int = 6
+    splits: int = 1
+    memory_registers: int = 40
+
+    @property
+    def cta_n(self) -> int:
+        """Weight rows per CTA."""
+        return WG_ROWS * self.compute_wgs
+
+    def stage_bytes(self, m_pad: int) -> int:
+        """Shared memory of one ring stage: the weight tile, the token tile and the token-scale row."""
+        return (self.cta_n + m_pad) * BLOCK_SIZE + 4 * m_pad
+
+    def smem_bytes(self, m_pad: int) -> int:
+        """Shared memory of a CTA: the ring and the float32 output tile (Mosaic adds barriers:
+        :data:`fp8rl_jax.fp8.mosaic_gemm.SMEM_MARGIN_BYTES`)."""
+        return self.stages * self.stage_bytes(m_pad) + self.cta_n * m_pad * 4 + SMEM_MARGIN_BYTES
+
+    def ctas_per_sm(self, m_pad: int) -> int:
+        """CTAs resident on one SM: 1. Registers decide it, not shared memory: Mosaic GPU's warp specialization gives
+        the compute warpgroups the register file (``setmaxnreg``), and ptxas reports 168 registers x 384 threads
+        (two compute warpgroups) or 255 x 256 (one) for this kernel in the deviceless sm_90a compile: 64.5 K and
+        65.3 K of the SM's 65,536."""
+        del m_pad
+        return 1
+
+    def validate(self, m_pad: int, kb: int) -> None:
+        """Raise ``ValueError`` for an unsupported configuration (named field), one that does not fit Hopper's
+        shared memory, or ``splits`` not dividing the ``kb`` K blocks."""
+        if self.compute_wgs not in (1, 2):
+            raise ValueError(f"DecodeGemmConfig.compute_wgs must be 1 or 2, got {self.compute_wgs}")
+        if self.stages < 2:
+            raise ValueError(f"DecodeGemmConfig.stages must be >= 2, got {self.stages}")
+        if self.splits < 1 or kb % self.splits:
+            raise ValueError(f"DecodeGemmConfig.splits={self.splits} must divide the {kb} K blocks of 128")
+        if self.smem_bytes(m_pad) > HOPPER_SMEM_BYTES:
+            raise ValueError(f"DecodeGemmConfig {self} needs {self.smem_bytes(m_pad)} B of shared memory at "
+                             f"{m_pad} tokens; Hopper allows {HOPPER_SMEM_BYTES} B per block: lower stages")
+
+
+@dataclasses.dataclass(frozen=True)
+class Roofline:
+    """What a configuration does on the clock, by arithmetic (no GPU needed): the quantities issue 37 asks every
+    shipped decode configuration to meet.
+
+    Attributes:
+      grid: CTAs ``(N / cta_n, splits)``.
+      waves: CTAs per wave = SMs x CTAs per SM; ``wave_efficiency`` = CTAs / (waves needed x CTAs per wave).
+      bytes_in_flight_per_sm: the ring's bytes per CTA (``min(stages, K blocks per split)`` stages) x CTAs resident
+        per SM (:meth:`DecodeGemmConfig.ctas_per_sm`).
+      loop_instructions_per_weight_byte: warp-instructions of one K step per weight byte it streams (by count of
+        the loop body: 4 wgmma + the promotion's ``M_pad / 2`` FMAs and ``M_pad / 2`` multiplies per thread,
+        scale loads and barrier operations; :func:`loop_instruction_count`).
+    """
+
+    grid: tuple[int, int]
+    wave_efficiency: float
+    bytes_in_flight_per_sm: int
+    loop_instructions_per_weight_byte: float
+
+
+def loop_instruction_count(cfg: DecodeGemmConfig, m_pad: int) -> int:
+    """Warp-instructions one CTA issues per K step, by count of the kernel's loop body (an upper estimate; the
+    deviceless compile's PTX gives the exact count): per compute warp, 4 ``wgmma`` (k32 each) plus fences, the
+    promotion ``acc = acc + p * s`` over its ``16 x M_pad`` accumulator slice (``M_pad / 2`` FMA and ``M_pad / 2``
+    multiply per thread), 2 scale loads and ~8 barrier/ring operations; the TMA warp issues ~6 per stage."""
+    per_warp = 4 + 2 + m_pad // 2 + m_pad // 2 + 2 + 8
+    return 4 * cfg.compute_wgs * per_warp + 6
+
+
+def roofline(cfg: DecodeGemmConfig, n: int, k: int, m: int, sms: int = HOPPER_SMS) -> Roofline:
+    """The :class:`Roofline` of ``cfg`` for an ``[m, k] x [n, k]`` decode GEMM on ``sms`` SMs."""
+    m_pad = padded_tokens(m)
+    grid = (-(-n // cfg.cta_n), cfg.splits)
+    ctas = grid[0] * grid[1]
+    per_sm = cfg.ctas_per_sm(m_pad)
+    wave = sms * per_sm
+    eff = ctas / (math.ceil(ctas / wave) * wave)
+    resident = min(per_sm, math.ceil(ctas / sms))
+    kps = max(1, -(-k // BLOCK_SIZE) // cfg.splits)
+    in_flight = min(cfg.stages, kps) * cfg.stage_bytes(m_pad) * resident  # a ring never holds more than its split
+    per_byte = loop_instruction_count(cfg, m_pad) / (cfg.cta_n * BLOCK_SIZE)
+    return Roofline(grid, float(eff), int(in_flight), float(per_byte))
+
+
+#: decode GEMMs whose best split-K configuration misses issue 37's wave-efficiency check (>= 0.9), with the reason;
+#: ``(N, K) -> reason``. Reported by scripts/compile_h100.py as known, not hidden.
+KNOWN_SHORTFALLS = {
+    (5120, 2048): "Qwen3-30B-A3B fused q/k/v: 16 K blocks; split-K by divisors of 16 with >= 24 KiB in flight per "
+                  "SM gives at best 320 CTAs on 132 SMs (0.81 wave efficiency); stream-K (not built) would fill them",
+}
+
+
+def choose_config(n: int, k: int, m: int, sms: int = HOPPER_SMS, max_stages: int = 8) -> DecodeGemmConfig:
+    """The default configuration for a decode GEMM, chosen by arithmetic (:func:`roofline`), never by a guess:
+
+    among 2 or 1 compute warpgroups (1 only when N is not a multiple of 128), ``stages`` from 4 to ``max_stages``
+    that fit shared memory, and ``splits`` dividing the K blocks with at least ``min(stages, 4)`` K blocks per split
+    (so the ring holds at least 4 blocks), take the configuration that first keeps at least
+    :data:`MIN_BYTES_IN_FLIGHT_PER_SM` in flight, then has the best wave efficiency on ``sms`` SMs; ties go to more
+    bytes in flight (up to 4x the minimum), then fewer splits (less partial-sum traffic). The on-device tuner
+    (:mod:`fp8rl_jax.kernels.tuner`) may replace it by measurement.
+
+    Split-K by divisors of the K-block count reaches >= 0.97 wave efficiency on every Qwen3-8B decode GEMM at
+    M = 1..64, but not on the small Qwen3-30B-A3B attention GEMMs (K = 2048: 16 blocks): there the best is 0.81
+    (tests/test_decode_gemm_mgpu.py records it); stream-K would fill those, it is not built.
+
+    Raises:
+      ValueError: ``m`` outside 1..64.
+    """
+    m_pad = padded_tokens(m)
+    kb = -(-k // BLOCK_SIZE)
+    best, best_key = None, None
+    for wgs in ((2, 1) if n % 128 == 0 else (1,)):
+        for stages in range(4, max_stages + 1):
+            for splits in (d for d in range(1, kb + 1) if kb % d == 0):
+                cfg = DecodeGemmConfig(compute_wgs=wgs, stages=stages, splits=splits)
+                if cfg.smem_bytes(m_pad) > HOPPER_SMEM_BYTES or kb // splits < min(stages, 4, kb):
+                    continue
+                r = roofline(cfg, n, k, m, sms)
+                key = (r.bytes_in_flight_per_sm >= MIN_BYTES_IN_FLIGHT_PER_SM, round(r.wave_efficiency, 3),
+                       min(r.bytes_in_flight_per_sm, 4 * MIN_BYTES_IN_FLIGHT_PER_SM), -splits, wgs, stages)
+                if best_key is None or key > best_key:
+                    best, best_key = cfg, key
+    return best
+
+
+def candidate_configs(n: int, k: int, m: int) -> list[DecodeGemmConfig]:
+    """The configurations the on-device tuner times for a shape (the first is :func:`choose_config`'s, the default):
+    its neighbours with a 4-stage ring, twice and half the splits (when they divide the K blocks), and the other
+    warpgroup count; only valid ones, no duplicates."""
+    base = choose_config(n, k, m)
+    m_pad, kb = padded_tokens(m), -(-k // BLOCK_SIZE)
+    out = [base]
+    for cfg in (dataclasses.replace(base, stages=4), dataclasses.replace(base, splits=base.splits * 2),
+                dataclasses.replace(base, splits=max(1, base.splits // 2)),
+                dataclasses.replace(base, compute_wgs=3 - base.compute_wgs)):
+        if cfg in out or (cfg.compute_wgs == 2 and n % 128):
+            continue
+        try:
+            cfg.validate(m_pad, kb)
+        except ValueError:
+            continue
+        out.append(cfg)
+    return out
+
+
+def tuned_config(n: int, k: int, m: int) -> DecodeGemmConfig:
+    """The configuration for a decode GEMM in this process: on a CUDA device, the fastest of
+    :func:`candidate_configs` as timed by :func:`fp8rl_jax.kernels.tuner.select` (op ``"decode_gemm"``, key
+    ``N``, ``K`` and the M bucket; ``FP8RL_AUTOTUNE`` / ``train.autotune`` decide whether it times, reads the
+    shipped and cached tables, or keeps the default); elsewhere (no GPU, a deviceless compile) :func:`choose_config`'s,
+    which is also every candidate's reference."""
+    from fp8rl_jax.kernels import tuner
+
+    cands = candidate_configs(n, k, m)
+    if len(cands) == 1:
+        return cands[0]
+    mb = min(MAX_TOKENS, tuner.m_bucket(m))
+
+    def make_args():
+        import numpy as np
+
+        rng = np.random.default_rng(0)
+        kb = -(-k // BLOCK_SIZE)
+        return (jnp.asarray(rng.standard_normal((mb, k)), jnp.float8_e4m3fn),
+                jnp.asarray(rng.uniform(0.5, 2, (mb, kb)), jnp.float32),
+                jnp.asarray(rng.standard_normal((n, k)), jnp.float8_e4m3fn),
+                jnp.asarray(rng.uniform(0.5, 2, (-(-n // BLOCK_SIZE), kb)), jnp.float32))
+
+    def runner(cfg):
+        return lambda xq, xs, wq, ws: decode_w8a8_matmul(xq, xs, wq, ws, config=cfg)
+
+    chosen = tuner.select("decode_gemm", {"N": n, "K": k, "M<=": mb},
+                          [tuner.Candidate(_config_name(c), c, runner(c), family="decode_gemm") for c in cands],
+                          make_args)
+    return chosen.config
+
+
+def _config_name(cfg: DecodeGemmConfig) -> str:
+    return f"swapab(wgs={cfg.compute_wgs},stages={cfg.stages},splits={cfg.splits})"
+
+
+def _build(np_: int, m_pad: int, kb: int, cfg: DecodeGemmConfig, interpret):
+    """The ``plgpu.kernel``: ``(wq [np_, kb*128], xq [m_pad, kb*128], xsT [kb, m_pad] f32, ws [NB, kb] f32) ->
+    partials f32 [splits, np_, m_pad]``."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    nwg, cta_n, splits = cfg.compute_wgs, cfg.cta_n, cfg.splits
+    kps = kb // splits  # K blocks per split
+    op_tr = _swizzled(plgpu, BLOCK_SIZE, jnp.float8_e4m3fn)
+    out_tr = _swizzled(plgpu, m_pad, jnp.float32)
+
+    if interpret is None:
+        as_layout = plgpu.layout_cast
+
+        def token_scales(xs_s):  # [m_pad] token scales, one per accumulator column
+            return plgpu.load(xs_s.at[0], (), layout=plgpu.Layout.WGMMA.reduce(0))
+    else:  # the interpreter has no layouts (and no plgpu.load)
+        def as_layout(x, layout):
+            del layout
+            return x
+
+        def token_scales(xs_s):
+            return xs_s[0, :]
+
+    def body(w_g, x_g, xs_g, ws_g, o_g):
+        ni, si, wg = lax.axis_index("n"), lax.axis_index("s"), lax.axis_index("wg")
+        k0 = si * kps
+        nb = (ni * cta_n) // BLOCK_SIZE  # this CTA's weight-scale row
+
+        def step(idx, w_s, x_s, xs_s, acc):
+            (k,) = idx
+            # the block's weight scale and token scales are read before the wgmma is waited on, so their load
+            # latency (GMEM / SMEM) hides behind the tensor cores instead of adding to every K step
+            s = token_scales(xs_s) * ws_g[nb, k0 + k]  # [m_pad]: ws[n // 128, kb] * xs[m, kb]
+
+            def mma(p_ref):
+                plgpu.wgmma(p_ref, w_s.at[pl.ds(wg * WG_ROWS, WG_ROWS)], plgpu.transpose_ref(x_s, (1, 0)))
+                return p_ref[...]
+
+            p = pl.run_scoped(mma, plgpu.ACC((WG_ROWS, m_pad), jnp.float32))
+            return acc + p * lax.broadcast_in_dim(s, (WG_ROWS, m_pad), (1,))
+
+        in_specs = [
+            plgpu.BlockSpec((cta_n, BLOCK_SIZE), lambda k: (ni, k0 + k), transforms=op_tr),
+            plgpu.BlockSpec((m_pad, BLOCK_SIZE), lambda k: (0, k0 + k), transforms=op_tr),
+            plgpu.BlockSpec((1, m_pad), lambda k: (k0 + k, 0)),
+        ]
+
+        @functools.partial(pl.run_scoped, o_s=plgpu.SMEM((nwg, WG_ROWS, m_pad), jnp.float32, transforms=out_tr),
+                           collective_axes="wg")
+        def _scope(o_s):
+            def epilogue(run):
+                acc = run(as_layout(jnp.zeros((WG_ROWS, m_pad), jnp.float32), plgpu.Layout.WGMMA))
+                o_s[wg] = acc
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(o_s.at[wg], o_g.at[si, pl.ds(ni * cta_n + wg * WG_ROWS, WG_ROWS)])
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+            plgpu.emit_pipeline_warp_specialized(
+                step,
+                grid=(kps,),
+                memory_registers=cfg.memory_registers,
+                in_specs=in_specs,
+                wg_axis="wg",
+                num_compute_wgs=nwg,
+                max_concurrent_steps=cfg.stages,
+                compute_context=epilogue,
+            )(w_g, x_g, xs_g)
+
+    return plgpu.kernel(
+        body,
+        out_type=jax.ShapeDtypeStruct((splits, np_, m_pad), jnp.float32),
+        grid=(np_ // cta_n, splits),
+        grid_names=("n", "s"),
+        num_threads=nwg + 1,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        interpret=interpret if interpret is not None else False,
+        kernel_name="fp8_decode_gemm_swapab_wgmma",
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "interpret"))
+def _partials(xq, xs, wq, ws, *, cfg, interpret):
+    m, _ = xq.shape
+    n = wq.shape[0]
+    kb = xs.shape[1]
+    kp = kb * BLOCK_SIZE
+    m_pad = padded_tokens(m)
+    np_ = -(-n // cfg.cta_n) * cfg.cta_n
+    call = _build(np_, m_pad, kb, cfg, _interpret_params(interpret))
+    return call(_pad_to(wq, (np_, kp)), _pad_to(xq, (m_pad, kp)), _pad_to(xs.T, (kb, m_pad)), ws)
+
+
+def decode_w8a8_partials(xq: jax.Array, xs: jax.Array, wq: jax.Array, ws: jax.Array, *, interpret=False,
+                         config: DecodeGemmConfig | None = None) -> jax.Array:
+    """The kernel's split-K partial products, transposed: float32 ``[splits, N_pad, M_pad]`` with
+    ``sum(partials, 0)[:N, :M].T`` the W8A8 product (:func:`decode_w8a8_matmul`). For a caller that fuses its own
+    epilogue into the reduction (SwiGLU, residual).
+
+    Args and Raises: as :func:`decode_w8a8_matmul`.
+    """
+    m, n, _, kb = check_operands(xq, xs, wq, ws, BLOCK_SIZE, "decode_w8a8_matmul")
+    if jnp.dtype(xq.dtype) != jnp.dtype(jnp.float8_e4m3fn):
+        raise ValueError(f"decode_w8a8_matmul: e4m3 operands only (vLLM's W8A8), got {xq.dtype}")
+    m_pad = padded_tokens(m)
+    if config is None:  # measured on the device where a GPU is in this process (the tuner), by arithmetic elsewhere
+        cfg = tuned_config(n, kb * BLOCK_SIZE, m) if interpret is False else choose_config(n, kb * BLOCK_SIZE, m)
+    else:
+        cfg = config
+    cfg.validate(m_pad, kb)
+    if not isinstance(interpret, bool):
+        _interpret_params(interpret)
+    return _partials(xq, xs.astype(jnp.float32), wq, ws.astype(jnp.float32), cfg=cfg, interpret=interpret)
+
+
+def decode_w8a8_matmul(xq: jax.Array, xs: jax.Array, wq: jax.Array, ws: jax.Array, *, out_dtype=jnp.float32,
+                       interpret=False, config: DecodeGemmConfig | None = None) -> jax.Array:
+    """W8A8 blockwise FP8 product for decode (1..64 tokens), swap-AB split-K on Hopper FP8 wgmma.
+
+    ``y[m, n] = sum_kb (xq[m, kb] . wq[n, kb]) * xs[m, kb] * ws[n // 128, kb]`` (vLLM ``w8a8_block_fp8_matmul``,
+    DeepGEMM promotion per K block; see the module docstring for the kernel and its roofline).
+
+    Args:
+      xq: ``[M, K]`` e4m3 activations (quantized by the caller, 1x128 groups: once per layer, outside the kernel).
+      xs: ``[M, ceil(K/128)]`` float32 activation ``scale_inv``.
+      wq: ``[N, K]`` e4m3 weights (vLLM ``[out, in]``); ws: ``[ceil(N/128), ceil(K/128)]`` float32 block scales.
+      out_dtype: result dtype (the sum is float32).
+      interpret: False (compile with Mosaic GPU for sm_90a), True (Mosaic GPU's interpreter on the CPU).
+      config: :class:`DecodeGemmConfig`; default :func:`tuned_config` of ``(N, K, M)`` (the on-device tuner's choice
+        among :func:`candidate_configs` on a GPU, :func:`choose_config`'s elsewhere).
+
+    Returns:
+      ``[M, N]`` in ``out_dtype``.
+
+    Raises:
+      ValueError: operand shapes/dtypes (:func:`fp8rl_jax.fp8.mosaic_gemm.check_operands`), non-e4m3 operands,
+        ``M`` outside 1..64, a configuration that does not fit or whose ``splits`` does not divide the K blocks.
+    """
+    m, n = xq.shape[0], wq.shape[0]
+    parts = decode_w8a8_partials(xq, xs, wq, ws, interpret=interpret, config=config)
+    return jnp.sum(parts, axis=0)[:n, :m].T.astype(out_dtype)
+
+
+def _selftest_decode_gemm(interpret=False) -> None:
+    """Self-test of the ``decode_gemm`` family (this kernel), run once on the GPU on first use: 5 tokens x
+    ``[200, 300]`` e4m3 (ragged M, N and K) with one compute warpgroup and no split, and 1 token x ``[256, 640]``
+    with two warpgroups and split-K 5, each against the float64 product of the same e4m3 operands
+    (:func:`fp8rl_jax.fp8.pallas_gemm.w8a8_reference`) to ``2**-10`` of the sum of |terms| (Hopper's FP8 wgmma keeps
+    ~14 bits inside a K block; :data:`fp8rl_jax.fp8.mosaic_gemm.SELFTEST_RTOL`).
+
+    Raises:
+      fp8rl_jax.fp8.kernels.KernelMismatch: a result outside the tolerance; a Mosaic GPU compile error unchanged.
+    """
+    from fp8rl_jax.fp8.kernels import check_close
+    from fp8rl_jax.fp8.mosaic_gemm import SELFTEST_RTOL
+    from fp8rl_jax.fp8.pallas_gemm import selftest_operands, w8a8_reference
+
+    for (m, n, k, seed), cfg in (((5, 200, 300, 1), DecodeGemmConfig(compute_wgs=1, stages=3, splits=1)),
+                                 ((1, 256, 640, 2), DecodeGemmConfig(compute_wgs=2, stages=4, splits=5))):
+        _, xq, xs, wq, ws = selftest_operands(m, n, k, seed=seed)
+        y = decode_w8a8_matmul(*(jnp.asarray(a) for a in (xq, xs, wq, ws)), config=cfg, interpret=interpret)
+        ref, bound = w8a8_reference(xq, xs, wq, ws)
+        check_close(f"swap-AB decode GEMM M={m} N={n} K={k} {cfg}", y, ref, bound, SELFTEST_RTOL)
+
+
+def _register_selftest() -> None:
+    from fp8rl_jax.fp8.kernels import register_selftest
+
+    register_selftest("decode_gemm", _selftest_decode_gemm)
+
+
+_register_selftest()
+
+
+#: the Qwen3-8B decode GEMMs ``(name, N, K)``: fused q/k/v, o_proj, fused gate/up, down_proj
+QWEN3_8B_DECODE = (("qkv", 6144, 4096), ("o_proj", 4096, 4096), ("gate_up", 24576, 4096), ("down_proj", 4096, 12288))
+#: the Qwen3-30B-A3B attention GEMMs (hidden 2048, 32 q / 4 kv heads of 128)
+QWEN3_30B_A3B_DECODE = (("qkv", 5120, 2048), ("o_proj", 2048, 4096))
+
+
+def main(argv=None) -> None:  # pragma: no cover - needs a Hopper GPU
+    """Time the Qwen3-8B decode GEMMs on the GPU in a jitted loop (``--m``, ``--iters``): per shape and candidate
+    configuration, microseconds per call and the weight bytes over that time (TB/s). Prints a table."""
+    import argparse
+    import time
+
+    import numpy as np
+
+    p = argparse.ArgumentParser(description=main.__doc__)
+    p.add_argument("--m", default="1,8,16,64")
+    p.add_argument("--iters", type=int, default=50)
+    args = p.parse_args(argv)
+    rng = np.random.default_rng(0)
+    print(f"{'shape':10} {'M':>3} {'config':44} {'us':>8} {'TB/s':>6}")
+    for name, n, k in QWEN3_8B_DECODE:
+        wq = jnp.asarray(rng.standard_normal((n, k)), jnp.float8_e4m3fn)
+        ws = jnp.ones((n // 128, k // 128), jnp.float32)
+        for m in (int(v) for v in args.m.split(",")):
+            xq = jnp.asarray(rng.standard_normal((m, k)), jnp.float8_e4m3fn)
+            xs = jnp.ones((m, k // 128), jnp.float32)
+            for cfg in {choose_config(n, k, m), dataclasses.replace(choose_config(n, k, m), stages=4)}:
+                @jax.jit
+                def loop(xq, xs, wq, ws, cfg=cfg):
+                    def body(_, acc):
+                        return acc + decode_w8a8_matmul(xq, xs, wq, ws, config=cfg)[0, 0]
+                    return lax.fori_loop(0, args.iters, body, jnp.float32(0))
+                loop(xq, xs, wq, ws).block_until_ready()
+                t = time.perf_counter()
+                loop(xq, xs, wq, ws).block_until_ready()
+                us = (time.perf_counter() - t) / args.iters * 1e6
+                print(f"{name:10} {m:3d} {str(cfg):44.44} {us:8.1f} {n * k / us / 1e6:6.2f}")
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()
