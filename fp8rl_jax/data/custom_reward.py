@@ -50,7 +50,7 @@ import warnings
 import weakref
 from typing import Any, Callable
 
-from fp8rl_jax.data.rewards import _ScoringWorker
+from fp8rl_jax.data.rewards import _ScoringWorker, serve
 
 __all__ = ["CustomReward", "resolve_reward_fn", "reward_fn_path"]
 
@@ -132,17 +132,14 @@ def _worker_main(conn, module: str, qualname: str) -> None:
     except BaseException as e:  # noqa: BLE001 - reported to the parent as the start error
         conn.send(f"cannot import {module}.{qualname}: {type(e).__name__}: {e}".splitlines()[0])
         return
-    conn.send("ready")
-    while True:
+
+    def handle(*args):
         try:
-            args = conn.recv()
-        except (EOFError, OSError):
-            return
-        try:
-            reply = ("ok", _as_score(fn(*args)))
+            return ("ok", _as_score(fn(*args)))
         except BaseException as e:  # noqa: BLE001 - any failure of user code is a failed score, reported
-            reply = ("error", f"{type(e).__name__}: {e}".splitlines()[0][:300] if str(e) else type(e).__name__)
-        conn.send(reply)
+            return ("error", f"{type(e).__name__}: {e}".splitlines()[0][:300] if str(e) else type(e).__name__)
+
+    serve(conn, handle)
 
 
 class CustomReward:

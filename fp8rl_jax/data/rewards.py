@@ -226,13 +226,20 @@ def _worker_main(conn) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     import math_verify  # noqa: F401 - imported before "ready", so the kill clock never covers it
 
+    serve(conn, _math_verify_score)
+
+
+def serve(conn, handle) -> None:
+    """A scoring worker's loop: send ``"ready"``, then for each argument tuple received send ``handle(*args)``, until
+    the parent closes the pipe or dies (EOF / OSError). Shared by the math-verify worker and user reward workers
+    (:mod:`fp8rl_jax.data.custom_reward`)."""
     conn.send("ready")
     while True:
         try:
             args = conn.recv()
         except (EOFError, OSError):
             return
-        conn.send(_math_verify_score(*args))
+        conn.send(handle(*args))
 
 
 class _ScoringWorker:
