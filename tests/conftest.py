@@ -92,23 +92,11 @@ def smollm2_path():
 def make_byte_tokenizer(directory):
     """A tiny byte-level tokenizer (259 ids: ``<pad>``=0, ``<|im_start|>``=1, ``<|im_end|>``=2 (eos), then the
     256 GPT-2 byte symbols, no merges) with a ChatML template, saved as ``tokenizer.json`` +
-    ``tokenizer_config.json`` in ``directory``; for trainer tests on tiny models (small vocab = fast)."""
-    from tokenizers import AddedToken, decoders, models, pre_tokenizers
-    from tokenizers import Tokenizer as HFTokenizer
+    ``tokenizer_config.json`` in ``directory``; for trainer tests on tiny models (small vocab = fast): the package's
+    :func:`fp8rl_jax.models.synthetic.byte_tokenizer`, saved."""
+    from fp8rl_jax.models.synthetic import byte_tokenizer
 
-    from fp8rl_jax.models.tokenizer import Tokenizer, _bytes_to_unicode
-
-    specials = ["<pad>", "<|im_start|>", "<|im_end|>"]
-    vocab = {t: i for i, t in enumerate(specials)}
-    for ch in _bytes_to_unicode().values():
-        vocab[ch] = len(vocab)
-    hf = HFTokenizer(models.BPE(vocab=vocab, merges=[]))
-    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    hf.decoder = decoders.ByteLevel()
-    hf.add_special_tokens([AddedToken(t, special=True) for t in specials])
-    template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-                "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-    tok = Tokenizer(hf, chat_template=template, eos_token="<|im_end|>", pad_token="<pad>")
+    tok = byte_tokenizer()
     tok.save(str(directory))
     return tok
 
