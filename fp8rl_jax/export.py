@@ -33,6 +33,7 @@ from jax import lax
 
 from fp8rl_jax.fp8 import BLOCK_SIZE, quantize_weights_batched
 from fp8rl_jax.fp8.kv_cache import KVScales
+from fp8rl_jax.export_ep import leading_axis_sharded, split_stack_on_owners
 from fp8rl_jax.fp8.pallas_quant import quantize_weights_fused
 from fp8rl_jax.models.experts import expert_names, is_expert_stack_name, split_expert_names, split_expert_stacks
 from fp8rl_jax.models.fused import FusedProjection, fuse_tensors, fused_names, fused_projections
@@ -227,12 +228,22 @@ def export_weights(params: dict, fmt: str = "fp8_blockwise", *, block_size: int 
     fused: tuple[FusedProjection, ...] = ()
     if fuse and fmt == "fp8_blockwise":
         fused = fused_projections({k: tuple(v.shape) for k, v in params.items()}, block_size, exclude=unq)
-    tensors, bad = _export(params, fmt, block_size, ue8m0, unq, bool(check_finite), fused=fused,
-                           keep_stacks=bool(expert_stacks))
+    # expert-parallel stacks (sharded on their expert axis) leave the program as stacks and are split per expert on
+    # their owners (fp8rl_jax.export_ep): an in-program slice would be a masked all-reduce, which also turns e4m3 -0
+    # into +0
+    owner_split = not expert_stacks and any(is_expert_stack_name(k) and leading_axis_sharded(v)
+                                            for k, v in params.items())
+    keep = bool(expert_stacks) or owner_split
+    tensors, bad = _export(params, fmt, block_size, ue8m0, unq, bool(check_finite), fused=fused, keep_stacks=keep)
+    if owner_split:
+        split = {}
+        for k, v in tensors.items():
+            split.update(split_stack_on_owners(k, v) if is_expert_stack_name(k) else {k: v})
+        tensors = {k: split[k] for k in sorted(split)}
     if check_finite and bad is not None and not isinstance(bad, jax.core.Tracer):
         flags = np.asarray(jax.device_get(bad))
         if flags.any():
-            names = _source_names(_split_mixed_stacks(params, unq), fused, bool(expert_stacks))
+            names = _source_names(_split_mixed_stacks(params, unq), fused, keep)
             raise ValueError(f"refusing to export non-finite weights: {[names[i] for i in np.flatnonzero(flags)[:5]]} "
                              "contain NaN or inf")
     metadata = {"ue8m0": ue8m0}

@@ -587,3 +587,86 @@ def wgmma_loop(ptx: str) -> PtxLoop:
         found = ", ".join(f"{lp.entry}:{lp.label} ({lp.instructions} instructions)" for lp in loops) or "none"
         raise ValueError(f"no loop holding wgmma.mma_async in the PTX (loops found: {found})")
     return max(inner, key=lambda lp: lp.instructions)
+
+
+#: collective opcodes of an optimized HLO module (the ``-done`` half of an async pair carries the result shape)
+COLLECTIVES = ("all-to-all", "ragged-all-to-all", "all-gather", "reduce-scatter", "all-reduce", "collective-permute")
+
+
+def _loop_multiplicity(hlo_text: str) -> dict[str, int]:
+    """``{computation: times it runs per program execution}`` through ``while`` bodies with a known trip count
+    (``backend_config={"known_trip_count":{"n":"L"}}``, e.g. a scan over layers), nested loops multiplied; other
+    computations 1."""
+    parent, trips, current = {}, {}, None
+    for line in hlo_text.splitlines():
+        head = re.match(r"^(?:ENTRY\s+)?%([\w.\-]+)\s.*\{\s*$", line)
+        if head:
+            current = head.group(1)
+            continue
+        m = re.search(r"\bwhile\(.*\bbody=%([\w.\-]+)", line)
+        if m and current is not None:
+            n = re.search(r'"known_trip_count":\{"n":"(\d+)"', line)
+            parent[m.group(1)], trips[m.group(1)] = current, int(n.group(1)) if n else 1
+
+    def mult(c, depth=0):
+        return trips[c] * mult(parent[c], depth + 1) if c in trips and depth < 64 else 1
+
+    return {c: mult(c) for c in trips}
+
+
+def collective_bytes(hlo_text: str) -> dict[str, dict]:
+    """Collectives of an optimized (SPMD-partitioned) HLO module, per device and per execution.
+
+    For each kind of :data:`COLLECTIVES`: ``count`` (instructions, times their loop trip counts), ``bytes`` (their
+    result bytes per device, summed likewise), ``group_sizes`` (distinct replica-group sizes), ``by_group`` (the
+    same three sums per replica-group size, as ``{"g": {...}}``) and ``wire_bytes``, the
+    bytes each device sends under the usual ring/pairwise algorithms: all-gather and all-to-all ``(g - 1) / g`` of
+    the result, reduce-scatter ``(g - 1)`` times its (scattered) result, all-reduce ``2 (g - 1) / g``,
+    collective-permute the result. A ragged all-to-all's result is its receive buffer (an upper bound: what moves
+    depends on the routing). Collectives inside both branches of a conditional are all counted (an upper bound).
+
+    Raises:
+      ValueError: an unknown HLO element type in a collective's shape (:func:`hlo_shape_bytes`).
+    """
+    mult = _loop_multiplicity(hlo_text)
+    out = {k: {"count": 0, "bytes": 0, "wire_bytes": 0.0, "group_sizes": [], "by_group": {}} for k in COLLECTIVES}
+    ops = "|".join(sorted(COLLECTIVES, key=len, reverse=True))
+    pat = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*(.+?)\s(" + ops + r")(-start|-done)?\(%?([\w.\-]*)")
+
+    def group_size(line):
+        groups = re.search(r"replica_groups=\{\{([\d,]+)\}", line)
+        iota = re.search(r"replica_groups=\[\d+,(\d+)\]", line)
+        return len(groups.group(1).split(",")) if groups else (int(iota.group(1)) if iota else None)
+
+    parts = re.search(r"num_partitions=(\d+)", hlo_text)
+    everyone = int(parts.group(1)) if parts else 1  # replica_groups={}: every partition
+    start_groups = {m.group(1): group_size(line) for line in hlo_text.splitlines()
+                    if (m := pat.match(line)) and m.group(4) == "-start"}
+    current = None
+    for line in hlo_text.splitlines():
+        head = re.match(r"^(?:ENTRY\s+)?%([\w.\-]+)\s.*\{\s*$", line)
+        if head:
+            current = head.group(1)
+            continue
+        m = pat.match(line)
+        if not m or m.group(4) == "-start":
+            continue
+        kind, shape = m.group(3), m.group(2)
+        g = start_groups.get(m.group(5)) if m.group(4) == "-done" else group_size(line)
+        k = mult.get(current, 1)
+        nbytes = hlo_shape_bytes(shape) * k
+        rec = out[kind]
+        rec["count"] += k
+        rec["bytes"] += nbytes
+        g = g or everyone
+        if g not in rec["group_sizes"]:
+            rec["group_sizes"].append(g)
+        gg = g or everyone
+        factor = {"all-gather": (gg - 1) / gg, "all-to-all": (gg - 1) / gg, "ragged-all-to-all": (gg - 1) / gg,
+                  "reduce-scatter": gg - 1, "all-reduce": 2 * (gg - 1) / gg, "collective-permute": 1.0}[kind]
+        rec["wire_bytes"] += nbytes * factor
+        grp = rec["by_group"].setdefault(str(g), {"count": 0, "bytes": 0, "wire_bytes": 0.0})
+        grp["count"] += k
+        grp["bytes"] += nbytes
+        grp["wire_bytes"] += nbytes * factor
+    return out

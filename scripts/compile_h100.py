@@ -113,6 +113,7 @@ class Program:
     k: int = 0  # kernel: reduction K
     cost: float = 10.0  # about the compile seconds, to start the longest first
     describe: str = ""
+    mesh: str = ""  # train: a mesh shape over ``devices`` H100s ("" = fsdp over all of them)
 
 
 def _programs() -> list[Program]:
@@ -137,6 +138,13 @@ def _programs() -> list[Program]:
             progs.append(Program(f"train_{label}_{dev}dev", "train", model, prec, batch=TRAIN_ROWS, devices=dev,
                                  fp8_grad=grad, cost=TRAIN_COST[label] * (1.2 if dev == 8 else 1.0),
                                  describe=f"train step, {what}, Qwen3-{model.upper()} widths, {mesh}"))
+    # issue 38: the 30B-A3B FP8-expert train step on the paper's 16 GPUs, fsdp only (today's) and with a host's 8
+    # GPUs as one expert group (expert-parallel all-to-all dispatch); both record their collectives
+    for mesh, label in (("fsdp=16", "fsdp16"), ("fsdp=2,expert=8", "fsdp2_expert8")):
+        progs.append(Program(f"train_moe_fp8_{label}", "train", "30b-a3b", "fp8", batch=16, devices=16, mesh=mesh,
+                             cost=TRAIN_COST["moe_tiled"] * 3,
+                             describe=f"train step, FP8 (e4m3 fwd, bf16 grads) incl. experts, Qwen3-30B-A3B widths, "
+                                      f"{mesh} (16 H100s)"))
     progs += [Program("export_fp8", "export", "8b", cost=3, describe="FP8 export, Qwen3-8B widths"),
               Program("export_fp8_fused", "export", "8b", fuse=True, cost=3,
                       describe="FP8 export, fused qkv/gate_up, Qwen3-8B widths"),
@@ -166,11 +174,12 @@ def _model_config(size: str, layers: int):
     return dataclasses.replace(qwen3_config(size), num_hidden_layers=layers)
 
 
-def _mesh(devices: int):
+def _mesh(devices: int, shape: str = ""):
     from fp8rl_jax.gpu_target import h100_topology
     from fp8rl_jax.parallel.mesh import make_mesh
 
-    return make_mesh("" if devices == 1 else f"fsdp={devices}", devices=h100_topology(devices).devices)
+    shape = shape or ("" if devices == 1 else f"fsdp={devices}")
+    return make_mesh(shape, devices=h100_topology(devices).devices)
 
 
 def build(p: Program, layers: int):
@@ -181,7 +190,7 @@ def build(p: Program, layers: int):
     import plan  # scripts/plan.py: the same builders plan.py compiles
 
     cfg = _model_config(p.model, layers)
-    mesh = _mesh(p.devices)
+    mesh = _mesh(p.devices, p.mesh)
     if p.kind == "generate":
         from fp8rl_jax.rollout.engine import engine_fuses_projections
 
@@ -289,6 +298,10 @@ def run_task(task: str, dump_root: str, keep_dumps: bool) -> dict:
                pallas_kernels=r.pallas_kernels, spills=r.spills, custom_calls=r.custom_calls,
                loop_body_kernels=r.loop_body_kernels, loop_body_gemm_bytes=r.loop_body_gemm_bytes,
                loop_body_breakdown=r.loop_body_breakdown, notes=r.notes)
+    if p.devices > 1:  # bytes per device of each collective kind, from the optimized HLO (fp8rl_jax.gpu_dump)
+        from fp8rl_jax.gpu_dump import collective_bytes
+
+        out["collectives"] = collective_bytes(r.compiled.as_text())
     return out
 
 
@@ -454,6 +467,10 @@ def merge(names: list[str], results: dict[str, dict]) -> list[dict]:
                "pallas_kernels": r.get("pallas_kernels"), "spills": r.get("spills"),
                "custom_calls": r.get("custom_calls"), "memory": r.get("memory"),
                "notes": r.get("notes") or []}
+        if p.mesh:
+            rec["mesh"] = p.mesh
+        if r.get("collectives") is not None:
+            rec["collectives"] = r["collectives"]
         if p.kind == "kernel":
             rec["batch"] = p.batch
             rec["kernel"] = r.get("kernel") if r.get("compiled") else None

@@ -22,6 +22,14 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _xla_cache
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")  # small programs too (trainer runs)
     atexit.register(shutil.rmtree, _xla_cache, True)
+# ... but not in this (the pytest) process: writing an entry serializes the executable, and for programs XLA:CPU
+# cannot serialize that throws a C++ exception; on 2026-11-27 one such unwind segfaulted inside libgcc's unwinder
+# here, and the SIGSEGV handler that vLLM's xgrammar dependency (apache-tvm-ffi) installs deadlocked on the
+# unwinder's lock: the whole suite hung at 0% CPU. Subprocesses keep the shared cache (a hang there ends at their
+# timeout, a failed test rather than a stuck run).
+import jax  # noqa: E402
+
+jax.config.update("jax_enable_compilation_cache", False)
 # No JAX platform is forced here: on a GPU machine the `gpu`-marked tests must run on the GPU. Every other test
 # runs with the CPU as JAX's default device (the autouse fixture below), so CPU-only tests compute on the CPU
 # whatever the machine, and their bit-exact references keep their meaning.
@@ -121,3 +129,37 @@ def make_tiny_smollm2_vocab_dir(directory, **overrides) -> str:
     make_hf_model("llama", **dict(kw, **overrides)).save_pretrained(directory)
     tok.save(str(directory))
     return str(directory)
+
+
+def run_worker_script(script: str, mode: str, *args: str, devices: int = 8, timeout: int = 900) -> dict:
+    """Run ``python script mode args...`` with ``devices`` host CPU devices (``XLA_FLAGS`` for that process only)
+    and return the JSON object on its last stdout line (the multi-device tests' workers)."""
+    import json
+    import subprocess
+    import sys
+
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={devices}").strip()
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, script, mode, *args], env=env, cwd=root, capture_output=True, text=True,
+                       timeout=timeout)
+    assert r.returncode == 0, f"worker {mode} failed:\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}"
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def run_in_cuda_venv(code: str, timeout: int = 600) -> dict:
+    """Run ``code`` with ``.venv-cuda``'s Python (JAX's CUDA plugin, deviceless sm_90a compiles; no GPU needed) and
+    return the JSON object on its last stdout line; skipped when ``.venv-cuda`` is missing (``make setup-cuda``)."""
+    import json
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cuda_py = os.path.join(root, ".venv-cuda", "bin", "python")
+    if not os.path.exists(cuda_py):
+        pytest.skip("needs .venv-cuda with jax[cuda13] for the deviceless sm_90a compile: run `make setup-cuda`")
+    env = {**os.environ, "PYTHONPATH": root, "JAX_SKIP_CUDA_CONSTRAINTS_CHECK": "1"}
+    for var in ("JAX_PLATFORMS", "XLA_FLAGS"):
+        env.pop(var, None)
+    proc = subprocess.run([cuda_py, "-c", code], env=env, cwd=root, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])

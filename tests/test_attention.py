@@ -440,22 +440,9 @@ def test_trainer_cudnn_call_compiles_for_h100_without_bias_or_mask():
     :func:`left_padded_attention`) compiles to cuDNN's plain softmax fMHA with two ``s32[B]`` sequence-length operands
     and a causal padding mask: no ``[B, 1, S, T]`` bias operand (the path whose backward was wrong on the H200) and no
     bias gradient."""
-    import json
-    import os
-    import subprocess
-    from pathlib import Path
+    from conftest import run_in_cuda_venv
 
-    repo = Path(__file__).resolve().parents[1]
-    cuda_py = repo / ".venv-cuda" / "bin" / "python"
-    if not cuda_py.exists():
-        pytest.skip("needs .venv-cuda with jax[cuda13] for the deviceless sm_90a compile: run `make setup-cuda`")
-    env = {**os.environ, "PYTHONPATH": str(repo), "JAX_SKIP_CUDA_CONSTRAINTS_CHECK": "1"}
-    for var in ("JAX_PLATFORMS", "XLA_FLAGS"):
-        env.pop(var, None)
-    proc = subprocess.run([str(cuda_py), "-c", _CUDNN_COMPILE], env=env, cwd=repo, capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    res = run_in_cuda_venv(_CUDNN_COMPILE)
     assert res["targets"] == ["__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxBackward"], res["targets"]
     for ops, cfg in zip(res["operands"], res["config"]):
         assert ops.count("s32[2]") == 2 and "256,256" not in ops, ops  # seq lengths, no [B, 1, S, S] bias

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import numpy as np
@@ -264,12 +263,9 @@ def _worker_trainer(model_dir: str) -> dict:
 
 def _run_worker(mode: str, *args: str, devices: int = 8, timeout: int = 900) -> dict:
     """Run this file as ``python tests/test_mesh.py mode args...`` with ``devices`` host CPU devices."""
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={devices}").strip()
-    r = subprocess.run([sys.executable, HERE, mode, *args], env=env, cwd=ROOT, capture_output=True, text=True,
-                       timeout=timeout)
-    assert r.returncode == 0, f"worker {mode} failed:\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}"
-    return json.loads(r.stdout.strip().splitlines()[-1])
+    from conftest import run_worker_script
+
+    return run_worker_script(HERE, mode, *args, devices=devices, timeout=timeout)
 
 
 # ----------------------------------------------------------------------------------------------------------------

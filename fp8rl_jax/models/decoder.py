@@ -724,9 +724,13 @@ def named_params(model: nnx.Module) -> dict[str, jax.Array]:
 
 
 def _stack_host_or_device(parts: list) -> Any:
-    """``np.stack`` for host (numpy) parts, :func:`jax.numpy.stack` when any part is a JAX array."""
+    """``np.stack`` for host (numpy) parts, :func:`jax.numpy.stack` when any part is a JAX array (through the host
+    when the parts live on different devices, e.g. per-expert exports on their expert groups' sub-meshes,
+    :mod:`fp8rl_jax.export_ep`)."""
     if any(isinstance(a, jax.Array) for a in parts):
-        return jnp.stack([jnp.asarray(a) for a in parts])
+        devices = {frozenset(a.devices()) for a in parts if isinstance(a, jax.Array)}
+        if len(devices) == 1:
+            return jnp.stack([jnp.asarray(a) for a in parts])
     return np.stack([np.asarray(a) for a in parts])
 
 

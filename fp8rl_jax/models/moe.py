@@ -34,12 +34,15 @@ capacity factor), and it is differentiable. Two lowerings (``SparseMoeBlock.grou
 
 ``"auto"`` (default) picks whichever moves fewer elements (:func:`fp8rl_jax.models.grouped.prefer_tiled`):
 tiles for training, prefill and large decode batches, ``ragged_dot`` for decode steps of a few rows per expert
-(where most tiles would be padding copies of a weight). On a mesh the ``expert`` axis shards the stacks' storage,
-but XLA does not split the tiled product over it: the per-tile weight gather from an expert-sharded stack becomes a
-masked local gather plus an all-reduce over ``expert``, so every device holds all tiles (on its ``fsdp`` shard of
-the hidden size).
-For the 30B-A3B configs use ``fsdp`` (the paper's mesh is ``fsdp=16``); expert-parallel dispatch (all-to-all of
-the routed rows under ``shard_map``) is not built. With FP8 experts the W8A8 blockwise numerics are those of
+(where most tiles would be padding copies of a weight). On a mesh with ``expert = e > 1`` each layer dispatches its
+routed rows by all-to-all (:mod:`fp8rl_jax.models.expert_parallel`, :func:`set_expert_parallel`; the trainer and the
+engine set it from gin's ``moe.dispatch``): each device routes its tokens, sends every (token, expert) row to the
+device owning that expert, runs its ``E / e`` local experts with the kernel choice below on what it received, and
+gets the outputs back for the same deterministic combine; dropless, equal to the ``expert = 1`` path (float32 to
+1e-6). With ``moe.dispatch = "replicated"`` the ``expert`` axis shards the stacks' storage only: XLA does not split the
+tiled product over it (the per-tile weight gather from an ``expert``-sharded stack becomes a masked local gather plus
+an all-reduce, so every device holds all tiles on its ``fsdp`` shard of the hidden size).
+With FP8 experts the W8A8 blockwise numerics are those of
 :func:`fp8rl_jax.fp8.w8a8_block_matmul`'s dequantize path: activations are quantized per token in 1x128 groups
 (vLLM ``QuantFP8`` native rounding), weights are the dequantized e4m3 blocks, products accumulate in float32. Where
 the program is lowered for CUDA the experts read the e4m3 stacks as they are (gate and up as two products: no
@@ -84,6 +87,7 @@ from fp8rl_jax.fp8.pallas_grouped import grouped_w8a8_matmul  # registers the gr
 from fp8rl_jax.fp8.quant import _quantize_groups
 from fp8rl_jax.models.config import ModelConfig
 from fp8rl_jax.models.experts import StackedExperts
+from fp8rl_jax.models.expert_parallel import ExpertParallel, ep_experts, expert_parallel as make_expert_parallel
 from fp8rl_jax.models.grouped import choose_tile_rows, combine_top_k, prefer_tiled, tile_layout, tiled_dot
 from fp8rl_jax.models.layers import Linear
 
@@ -424,9 +428,37 @@ class SparseMoeBlock(nnx.Module):
         weights, ids, router_ids = route_with_replay(logits, self.top_k, self.norm_topk_prob, rep)
         router_ids = router_ids.reshape(shape[:-1] + (self.top_k,))
         weights = weights.astype(self.dtype)  # HF casts the top-k weights back to the logits dtype
+        if self.expert_parallel is not None:  # expert-parallel dispatch (all-to-all of the routed rows)
+            return self._expert_parallel_experts(xt, weights, ids).reshape(shape), router_ids
         flat = ids.reshape(-1)                                  # [T*k] expert of each (token, slot)
         order = jnp.argsort(flat, stable=True)                  # group pairs by expert
         group_sizes = jnp.bincount(flat, length=self.num_experts).astype(jnp.int32)
+        return self._run_experts(xt, weights, order, group_sizes).reshape(shape), router_ids
+
+    #: Expert-parallel dispatch (:func:`set_expert_parallel`): an
+    #: :class:`~fp8rl_jax.models.expert_parallel.ExpertParallel`, or None (every device runs every expert's tiles)
+    expert_parallel: ExpertParallel | None = None
+
+    def _expert_parallel_experts(self, xt: jax.Array, weights: jax.Array, ids: jax.Array) -> jax.Array:
+        """``[T, hidden]`` -> ``[T, hidden]`` through :func:`~fp8rl_jax.models.expert_parallel.ep_experts`: each
+        device runs its ``E/e`` experts (the stacks' slices, under ``shard_map``) with :meth:`_run_experts` on the
+        rows it received, the same kernel choice as the replicated path."""
+        gdef, state = nnx.split(self.experts)
+        ep = self.expert_parallel
+        local_cls = _LocalExperts
+
+        def run_local(local_state, rows, group_sizes):
+            view = local_cls(self, nnx.merge(gdef, local_state), ep.local_experts)
+            n = rows.shape[0]
+            return view._run_experts(rows, jnp.ones((n, 1), self.dtype), jnp.arange(n, dtype=jnp.int32),
+                                     group_sizes)
+
+        return ep_experts(ep, run_local, state, xt, weights, ids)
+
+    def _run_experts(self, xt: jax.Array, weights: jax.Array, order: jax.Array, group_sizes: jax.Array) -> jax.Array:
+        """The experts on ``T * k`` expert-sorted pairs, each token's outputs gate-weighted and combined:
+        ``xt [T, hidden]``, ``weights [T, k]``, ``order [T*k]``, ``group_sizes [E]`` -> ``[T, hidden]`` in ``dtype``.
+        The one place the expert kernel is chosen (:attr:`fp8_expert_impl`, :func:`grouped_expert_kernel`)."""
         args = (xt, weights, order, group_sizes)
         impl = self.fp8_expert_impl
         if impl not in ("auto", "pallas", "mosaic", "ragged_dot"):
@@ -444,7 +476,7 @@ class SparseMoeBlock(nnx.Module):
                                                                          interpret=False), xla=self._xla_experts)
         else:  # decode-sized: the Triton grouped kernel
             out = choose("grouped_experts", *args, kernel=self._triton_experts, xla=self._xla_experts)
-        return out.reshape(shape), router_ids
+        return out
 
     def _triton_experts(self, xt, weights, order, group_sizes) -> jax.Array:
         """FP8 experts with the Triton grouped W8A8 kernel (:meth:`_fp8_grouped_experts`), combined per token."""
@@ -493,6 +525,51 @@ def set_expert_impl(model: nnx.Module, impl: str) -> str:
             mod.fp8_expert_impl = impl if impl in ("auto", "pallas", "mosaic") else "ragged_dot"
             mod.grouped_impl = impl if impl in ("tiled", "ragged_dot") else "auto"
     return impl
+
+
+class _LocalExperts:
+    """A device's ``E/e`` experts under expert parallelism, seen as a :class:`SparseMoeBlock` whose experts are the
+    local stack slices: the block's own expert methods run on it (no second copy of the kernel choice). Rows are
+    already routed and sorted, so ``top_k`` is 1 and the gate weights are applied by the caller."""
+
+    def __init__(self, block: "SparseMoeBlock", experts: StackedExperts, num_experts: int):
+        self.experts, self.num_experts, self.top_k = experts, num_experts, 1
+        for name in ("dtype", "precision", "fp8_expert_impl", "grouped_impl", "tile_rows"):
+            setattr(self, name, getattr(block, name))
+
+
+for _name in ("_run_experts", "_xla_experts", "_training_tiled", "_grouped_impl", "_tiled_experts", "_tile_proj",
+              "_tile_rows", "_act_in", "_triton_experts", "_fp8_grouped_experts", "_mosaic_experts", "_fp8_stacks"):
+    setattr(_LocalExperts, _name, getattr(SparseMoeBlock, _name))
+
+
+def set_expert_parallel(model: nnx.Module, mesh, dispatch: str = "auto", *, all_to_all: str = "auto",
+                        capacity_factors=None) -> bool:
+    """Set how every :class:`SparseMoeBlock` of ``model`` dispatches its routed rows over ``mesh``'s ``expert`` axis.
+
+    Args:
+      model: the model (changed in place).
+      mesh: the mesh the model runs on, or None (one device).
+      dispatch: ``"auto"`` / ``"all_to_all"`` (expert parallelism where ``expert > 1``:
+        :mod:`fp8rl_jax.models.expert_parallel`) or ``"replicated"`` (every device runs every expert's tiles on its
+        tokens; the ``expert`` axis shards storage only).
+      all_to_all: ``"auto"`` (ragged where lowered for CUDA, static buffers elsewhere), ``"static"``, ``"ragged"``.
+      capacity_factors: receive capacities tried before the dropless one (None: the module default).
+
+    Returns:
+      whether expert parallelism is on.
+
+    Raises:
+      ValueError: as :func:`fp8rl_jax.models.expert_parallel.expert_parallel` (unknown values, ``num_experts`` not
+        divisible by the ``expert`` axis).
+    """
+    on = False
+    for _, mod in nnx.iter_modules(model):
+        if isinstance(mod, SparseMoeBlock):
+            kw = {} if capacity_factors is None else {"capacity_factors": tuple(capacity_factors)}
+            mod.expert_parallel = make_expert_parallel(mesh, mod.num_experts, dispatch, all_to_all=all_to_all, **kw)
+            on = on or mod.expert_parallel is not None
+    return on
 
 
 def tiny_qwen3_moe_config(vocab_size: int, *, hidden_size: int = 64, num_hidden_layers: int = 2,

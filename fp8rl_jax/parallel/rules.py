@@ -24,11 +24,12 @@ MoE experts: the model stacks each layer's experts (``mlp.experts.gate_proj.weig
 ``E/4`` experts), and each expert's inner dimensions are sharded like a dense MLP's (``expert_mlp -> tensor``,
 ``embed -> fsdp``; ``embed`` does not get ``expert`` again, a mesh axis is used once per array). The per-expert HF
 names (``mlp.experts.{j}.gate_proj.weight``, what checkpoints, exports and vLLM use) match the same rules without
-the leading axis. Tokens are not dispatched all-to-all: the grouped matmul (tiled, :mod:`fp8rl_jax.models.grouped`,
-or ``jax.lax.ragged_dot``) is partitioned by XLA's sharding propagation. That keeps results exact but does not
-split the expert compute over ``expert``: the per-tile weight gather from an ``expert``-sharded stack becomes a
-masked local gather plus an all-reduce, and every device computes all tiles on its ``fsdp`` shard (see
-:mod:`fp8rl_jax.models.moe`); the axis saves parameter and optimizer memory only.
+the leading axis. The tokens' rows reach their experts by the all-to-all dispatch of
+:mod:`fp8rl_jax.models.expert_parallel` (``moe.dispatch``, the default on an ``expert > 1`` mesh): each device
+computes only its ``E / expert`` experts. With ``moe.dispatch = "replicated"`` the grouped matmul is instead
+partitioned by XLA's sharding propagation: exact, but the per-tile weight gather from an ``expert``-sharded stack
+becomes a masked local gather plus an all-reduce and every device computes all tiles on its ``fsdp`` shard; the
+axis then saves parameter and optimizer memory only.
 
 Float8 linears (``weight`` e4m3 + ``weight_scale_inv`` ``[ceil(N/128), ceil(K/128)]``) get the weight's logical
 axes on both (the scale grid is then usually replicated by the divisibility rule).

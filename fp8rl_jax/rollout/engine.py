@@ -39,7 +39,7 @@ from fp8rl_jax.fp8.pallas_attention import use_fp8_kv_kernel
 from fp8rl_jax.models.config import ModelConfig
 from fp8rl_jax.models.decoder import Attention, KVCache, left_pad, param_name, positions_from_mask
 from fp8rl_jax.models.experts import expert_names, is_expert_stack_name, split_expert_stacks
-from fp8rl_jax.models.moe import set_expert_impl
+from fp8rl_jax.models.moe import set_expert_impl, set_expert_parallel
 from fp8rl_jax.models.fused import fuse_tensors, split_names, split_tensors
 from fp8rl_jax.models.loading import build_model
 from fp8rl_jax.rollout.sampling import sample_tokens
@@ -150,9 +150,14 @@ class JaxRolloutEngine:
         tiles and the Pallas-Triton one for decode; otherwise tiles or ``ragged_dot``, whichever moves fewer
         elements), ``"pallas"`` (FP8: always the Pallas-Triton kernel), ``"mosaic"`` (FP8: always the Mosaic GPU
         kernel), ``"tiled"`` or ``"ragged_dot"`` (never a kernel, that XLA path).
+      moe_dispatch: on a ``mesh`` with ``expert > 1``: ``"auto"`` / ``"all_to_all"`` (expert parallelism, each
+        device runs its ``E / expert`` experts on the rows sent to it, :mod:`fp8rl_jax.models.expert_parallel`) or
+        ``"replicated"``; or a dict of :func:`fp8rl_jax.models.moe.set_expert_parallel`'s keywords (``dispatch``,
+        ``all_to_all``, ``capacity_factors``: :meth:`fp8rl_jax.parallel.moe_dispatch.MoeDispatchConfig.kwargs`).
 
     Raises:
-      ValueError: unknown precision or kv_cache_dtype, weights in the wrong format, ``fp8_attention`` without an
+      ValueError: unknown precision or kv_cache_dtype, ``moe_dispatch`` or an ``expert`` axis that does not divide
+        the experts, weights in the wrong format, ``fp8_attention`` without an
         FP8 cache, or malformed kv scales.
     """
 
@@ -162,7 +167,7 @@ class JaxRolloutEngine:
                  kv_cache_memory_bytes: int | None = None, fp8_attention: bool = False,
                  max_model_len: int | None = None, kv_block_size: int = DEFAULT_BLOCK_SIZE,
                  log_kv_cache: bool = True, mesh=None, fuse_projections: bool = True, kv_attention: str = "auto",
-                 expert_impl: str = "auto"):
+                 expert_impl: str = "auto", moe_dispatch: str | dict = "auto"):
         if precision not in ENGINE_PRECISIONS:
             raise ValueError(f"unknown rollout precision {precision!r}; expected one of {sorted(ENGINE_PRECISIONS)}")
         self.config, self.precision = config, precision
@@ -188,6 +193,9 @@ class JaxRolloutEngine:
         # cache (written from the head-sharded k/v projections: sharded by KV head) and the activations
         self.mesh = mesh
         self.sharding_plan = None
+        #: whether the MoE layers dispatch their routed rows to the experts' owners (``expert > 1`` on ``mesh``)
+        moe_kw = dict(moe_dispatch) if isinstance(moe_dispatch, dict) else {"dispatch": moe_dispatch}
+        self.expert_parallel = set_expert_parallel(self.model, mesh, **moe_kw)
         self._place_on_mesh()
         self._names = {param_name(p): v for p, v in nnx.to_flat_state(nnx.state(self.model, nnx.Param))}
         # Qwen3-MoE experts are [E, N, K] stacks (fp8rl_jax.models.experts); updates name them per expert

@@ -39,6 +39,7 @@ from fp8rl_jax.models.decoder import positions_from_mask, qkv_absmax_from_interm
 from fp8rl_jax.models.loading import build_model, load_checkpoint, load_tokenizer_for
 from fp8rl_jax.parallel.loading import build_sharded_model, shard_optimizer
 from fp8rl_jax.parallel.mesh import MeshConfig, format_mesh_shape, mesh_from, mesh_shape_of
+from fp8rl_jax.parallel.moe_dispatch import MoeDispatchConfig
 from fp8rl_jax.rollout import verify
 from fp8rl_jax.rollout.engine import ENGINE_PRECISIONS, JaxRolloutEngine, engine_fuses_projections
 from fp8rl_jax.rollout.types import RolloutEngine
@@ -205,7 +206,7 @@ class RLTrainer(RolloutProducerMixin, StalenessMixin):
                                       prompt_bucket=8, kv_cache_dtype=self.kv_cache_dtype,
                                       kv_cache_memory_bytes=config.kv_cache_memory_bytes,
                                       fp8_attention=config.fp8_attention, kv_attention=config.kv_attention,
-                                      expert_impl=config.expert_impl,
+                                      expert_impl=config.expert_impl, moe_dispatch=MoeDispatchConfig().kwargs(),
                                       mesh=self.mesh if self._engine_on_mesh else None)
         else:
             engine.update_weights(self.export(**sync_options(engine)))

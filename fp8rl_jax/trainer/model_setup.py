@@ -12,8 +12,9 @@ import functools
 
 from flax import nnx
 
-from fp8rl_jax.models.moe import set_expert_impl
+from fp8rl_jax.models.moe import set_expert_impl, set_expert_parallel
 from fp8rl_jax.parallel.mesh import mesh_shape_of
+from fp8rl_jax.parallel.moe_dispatch import MoeDispatchConfig
 from fp8rl_jax.parallel.rules import batch_sharding
 from fp8rl_jax.trainer.precision import apply_train_precision
 
@@ -27,7 +28,9 @@ def configure_train_model(model, config, model_cfg, mesh=None) -> str:
     sharding of the mesh (:func:`fp8rl_jax.parallel.rules.batch_sharding`), which the cuDNN path imposes on q, k and
     v: cuDNN's custom partitioner refuses differently sharded operands ("Query, key and value should have same
     sharding", found by the deviceless fsdp=8 compile of scripts/compile_h100.py), and XLA's propagation need not
-    give them one sharding. Experts: :func:`fp8rl_jax.models.moe.set_expert_impl` (``config.expert_impl``). Precision:
+    give them one sharding. Experts: :func:`fp8rl_jax.models.moe.set_expert_impl` (``config.expert_impl``) and, on a mesh with
+    ``expert > 1``, the expert-parallel dispatch of gin's ``moe.*`` (:func:`fp8rl_jax.models.moe.set_expert_parallel`,
+    :class:`fp8rl_jax.parallel.moe_dispatch.MoeDispatchConfig`). Precision:
     :func:`fp8rl_jax.trainer.precision.apply_train_precision` (``config.train_precision``, ``fp8_train_grad``).
 
     Args:
@@ -52,5 +55,6 @@ def configure_train_model(model, config, model_cfg, mesh=None) -> str:
             mod.attention_implementation = attn_impl
             mod.qkv_sharding = qkv_sharding
     set_expert_impl(model, config.expert_impl)
+    set_expert_parallel(model, mesh, **MoeDispatchConfig().kwargs())
     apply_train_precision(model, config.train_precision, fp8_grad=config.fp8_train_grad)
     return attn_impl
