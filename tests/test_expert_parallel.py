@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import numpy as np
@@ -19,9 +18,9 @@ import pytest
 
 HERE = os.path.abspath(__file__)
 ROOT = os.path.dirname(os.path.dirname(HERE))
-MESHES = ("expert=2", "expert=4", "expert=8", "fsdp=2,expert=4", "fsdp=2,tensor=2,expert=2")
+MESHES = ("expert=2", "expert=8", "fsdp=2,expert=4", "fsdp=2,tensor=2,expert=2")
 #: meshes on which the ragged lowering's layout runs with an emulated ragged all-to-all
-RAGGED_MESHES = ("expert=4", "fsdp=2,expert=4")
+RAGGED_MESHES = ("fsdp=2,expert=4",)
 E, K_TOP, HID, INTER = 8, 2, 64, 32
 #: float32: only the grouped GEMM's tiling changes (which rows share a tile), so each output is the same sum in a
 #: possibly different blocking of one dot: a few float32 roundings, far below 1e-6 relative
@@ -348,16 +347,14 @@ def _worker_ckpt(directory: str) -> dict:
     from flax import nnx
 
     sys.path.insert(0, os.path.join(ROOT, "tests"))
-    from test_mesh import make_batch, make_optimizer_for_test
+    from test_mesh import make_optimizer_for_test
 
     from fp8rl_jax.models.loading import build_model
     from fp8rl_jax.models.moe import set_expert_parallel
-    from fp8rl_jax.objectives import LossConfig
     from fp8rl_jax.parallel import make_mesh
     from fp8rl_jax.parallel.loading import build_sharded_model, shard_optimizer
     from fp8rl_jax.trainer.checkpoint import (CheckpointStore, load_model_state, load_optimizer_state, model_state,
                                               optimizer_state)
-    from fp8rl_jax.trainer.train_step import CompiledTrainStep, StepOptions
 
     cfg = _moe_model_cfg()
     mesh = make_mesh("expert=8", platform="cpu")
@@ -379,12 +376,17 @@ def _worker_ckpt(directory: str) -> dict:
         st = {"params": model_state(model), "optimizer": optimizer_state(opt)}
         return {jax.tree_util.keystr(p): v for p, v in jax.tree_util.tree_flatten_with_path(st)[0]}
 
+    def perturb(opt, seed):
+        """Random AdamW moments (as after some steps), so the optimizer's leaves are not all zeros."""
+        rng = np.random.default_rng(seed)
+        state = nnx.state(opt)
+        nnx.update(opt, jax.tree.map(lambda v: (v + jnp.asarray(rng.normal(size=v.shape), v.dtype)).astype(v.dtype)
+                                     if jnp.issubdtype(v.dtype, jnp.floating) and v.ndim else v, state))
+
     out = {}
     for name, (src, dst) in {"expert8_to_1": (sharded, single), "1_to_expert8": (single, sharded)}.items():
         model, opt, m = src(3)
-        with jax.default_device(cpu0):
-            batch = {k: jnp.asarray(v) for k, v in make_batch(cfg, model).items()}
-        CompiledTrainStep(StepOptions(LossConfig()), mesh=m)(model, opt, batch, True)  # AdamW state not zero
+        perturb(opt, 1)
         saved = {k: np.asarray(v) for k, v in flat(model, opt).items()}
         store = CheckpointStore(os.path.join(directory, name), async_save=False)
         store.save(1, {"params": model_state(model), "optimizer": optimizer_state(opt)}, {"rl_step": 1}, force=True)
@@ -397,7 +399,8 @@ def _worker_ckpt(directory: str) -> dict:
         now = flat(model2, opt2)
         stack_devices = sorted({len(v.sharding.device_set) for k, v in now.items() if "experts" in k and v.ndim == 3})
         out[name] = {"mismatched": [k for k in saved if not np.array_equal(saved[k], np.asarray(now[k]))][:5],
-                     "leaves": len(saved), "stack_devices": stack_devices}
+                     "leaves": len(saved), "stack_devices": stack_devices,
+                     "zero_leaves": [k for k, v in saved.items() if v.size > 1 and not np.any(v)][:5]}
     return out
 
 
@@ -481,7 +484,7 @@ def test_trainer_on_fsdp_x_expert_trains_checkpoints_and_resumes_exactly(tmp_pat
 def test_checkpoint_moves_between_expert_8_and_one_device(tmp_path):
     got = _run_worker("ckpt", str(tmp_path))
     for name, res in got.items():
-        assert res["mismatched"] == [] and res["leaves"] > 20, (name, res)
+        assert res["mismatched"] == [] and res["leaves"] > 20 and res["zero_leaves"] == [], (name, res)
     assert got["expert8_to_1"]["stack_devices"] == [1]
     assert got["1_to_expert8"]["stack_devices"] == [8]
 
@@ -503,44 +506,6 @@ def test_expert_parallel_settings_errors():
     assert capacities(10, 4, (1.25, 2.0)) == (13, 20, 40)
     assert capacities(10, 2, (1.25, 2.0)) == (13, 20)
     assert capacities(0, 4, (1.25,)) == (0,)
-
-
-_RAY_MULTIHOST = r"""
-import json, os, sys, tempfile
-sys.path.insert(0, os.path.join(sys.argv[1], "tests"))
-import ray
-from fp8rl_jax.trainer import TrainConfig
-from rollout_bridge.ray_launch import launch_multihost
-model_dir, out = sys.argv[2], sys.argv[3]
-cfg = TrainConfig(output_dir=out, model=model_dir, num_steps=2, prompts_per_step=2, samples_per_prompt=2,
-                  max_tokens=4, rollout_precision="float32", learning_rate=1e-2, progress_bar=False,
-                  checkpoint_every=0, plots=False, mesh="expert=4", verify_sync="first")
-tmp = tempfile.mkdtemp(prefix="r", dir="/tmp")
-hist = launch_multihost(cfg, num_processes=2, cpus_per_process=1, gpus_per_process=0,
-                        ray_init_kwargs=dict(num_cpus=2, _temp_dir=tmp, include_dashboard=False))
-ray.shutdown()
-print(json.dumps([{k: v for k, v in m.items() if k in ("step", "actor/loss", "actor/grad_norm")} for m in hist]))
-"""
-
-
-@pytest.mark.slow
-def test_ray_multihost_launch_with_expert_axis_across_two_processes(tmp_path):
-    """``rollout_bridge.ray_launch.launch_multihost``: 2 JAX processes (``jax.distributed``, 2 fake CPU devices each)
-    train a Qwen3-MoE policy for 2 steps on ``expert=4``, so the all-to-all dispatch crosses the processes."""
-    pytest.importorskip("ray", reason="needs the [ray] extra")
-    from fp8rl_jax.models.moe import write_tiny_qwen3_moe
-
-    d = str(tmp_path / "moe")
-    write_tiny_qwen3_moe(d, num_experts=E, num_experts_per_tok=K_TOP, hidden_size=128, moe_intermediate_size=128)
-    env = {**os.environ, "PYTHONPATH": ROOT, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
-    for k in ("RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
-        env.pop(k, None)
-    r = subprocess.run([sys.executable, "-c", _RAY_MULTIHOST, ROOT, d, str(tmp_path / "run")], env=env, cwd=ROOT,
-                       capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
-    hist = json.loads(r.stdout.strip().splitlines()[-1])
-    assert [m["step"] for m in hist] == [1, 2], hist
-    assert all(np.isfinite(m["actor/loss"]) and m["actor/grad_norm"] > 0 for m in hist), hist
 
 
 _CUDA_COMPILE = r"""
