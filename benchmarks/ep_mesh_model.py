@@ -23,7 +23,7 @@ Step-time model, every assumption listed (printed with the table and written to 
 * the all-to-all bytes scale with the tokens per device (``--tokens_per_device``, default the compile's 256); the
   parameter collectives (all-gather, reduce-scatter, all-reduce) do not;
 * compute: ``6 x 3.3e9`` FLOPs per token (3.3B active parameters, forward + backward) at ``--tflops`` (default 400:
-  the H200's measured bf16 / W8A8 GEMM rates at M = 4096 are 288-635 TFLOP/s, shared/GPU.md), equal on both meshes
+  the H200's measured bf16 / W8A8 GEMM rates at M = 4096 are 288-635 TFLOP/s in the H200 run of 2026-11-27, docs/GPU.md), equal on both meshes
   (each device runs the same routed rows' FLOPs);
 * no overlap (communication + compute: an upper bound) and perfect overlap (max: a lower bound).
 
