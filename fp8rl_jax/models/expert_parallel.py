@@ -182,11 +182,13 @@ class SendLayout:
         self.send_start = jnp.cumsum(self.send_counts) - self.send_counts
 
 
-def dispatch_rows(sorted_rows: jax.Array, lay: SendLayout, axis: str, e: int, impl: str) -> jax.Array:
+def dispatch_rows(sorted_rows: jax.Array, lay: SendLayout, recv_sizes: jax.Array, axis: str, e: int,
+                  impl: str) -> jax.Array:
     """Send each device its rows: ``sorted_rows [R, H]`` (sorted by expert) -> ``[e, R, H]`` received, block ``s``
     holding source ``s``'s rows for this device first, zeros after.
 
-    ``impl``: ``"static"`` (:func:`jax.lax.all_to_all` of a zero-padded ``[e, R, H]`` buffer) or ``"ragged"``
+    ``recv_sizes [e]``: the rows each source sends here (the ragged lowering's receive sizes). ``impl``: ``"static"``
+    (:func:`jax.lax.all_to_all` of a zero-padded ``[e, R, H]`` buffer) or ``"ragged"``
     (:func:`jax.lax.ragged_all_to_all`, real rows only; CUDA). Same result.
     """
     r, h = sorted_rows.shape
@@ -197,16 +199,16 @@ def dispatch_rows(sorted_rows: jax.Array, lay: SendLayout, axis: str, e: int, im
         buf = jnp.where(ok[..., None], sorted_rows[jnp.minimum(src, r - 1)], jnp.zeros((), sorted_rows.dtype))
         return jax.lax.all_to_all(buf, axis, 0, 0, tiled=False)
     me = jax.lax.axis_index(axis).astype(jnp.int32)
-    recv_sizes = jax.lax.all_to_all(lay.send_counts, axis, 0, 0, tiled=True)
     out = jnp.zeros((e * r, h), sorted_rows.dtype)
     got = RAGGED_ALL_TO_ALL[0](sorted_rows, out, lay.send_start, lay.send_counts,
                                     jnp.full((e,), me * r, jnp.int32), recv_sizes, axis_name=axis)
     return got.reshape(e, r, h)
 
 
-def return_rows(y: jax.Array, lay: SendLayout, axis: str, e: int, impl: str) -> jax.Array:
-    """The transpose of :func:`dispatch_rows`: ``y [e, R, H]`` (block ``s`` = outputs for source ``s``'s rows) ->
-    ``[R, H]`` this device's outputs at its sorted positions (rows of invalid pairs: zeros)."""
+def return_rows(y: jax.Array, lay: SendLayout, recv_sizes: jax.Array, axis: str, e: int, impl: str) -> jax.Array:
+    """The transpose of :func:`dispatch_rows`: ``y [e, R, H]`` (block ``s`` = outputs for source ``s``'s rows,
+    ``recv_sizes[s]`` of them) -> ``[R, H]`` this device's outputs at its sorted positions (rows of invalid pairs:
+    zeros)."""
     _, r, h = y.shape
     if impl == "static":
         back = jax.lax.all_to_all(y, axis, 0, 0, tiled=False)                     # [e, R, H]: block d from device d
@@ -215,7 +217,6 @@ def return_rows(y: jax.Array, lay: SendLayout, axis: str, e: int, impl: str) -> 
         j = p - lay.send_start[d]
         ok = j < lay.send_counts[d]
         return jnp.where(ok[:, None], back[d, jnp.clip(j, 0, r - 1)], jnp.zeros((), y.dtype))
-    recv_sizes = jax.lax.all_to_all(lay.send_counts, axis, 0, 0, tiled=True)     # [e]: rows from source s
     their_start = jax.lax.all_to_all(lay.send_start, axis, 0, 0, tiled=True)   # where s keeps its rows for me
     out = jnp.zeros((r, h), y.dtype)
     return RAGGED_ALL_TO_ALL[0](y.reshape(e * r, h), out, jnp.arange(e, dtype=jnp.int32) * r, recv_sizes,
@@ -223,15 +224,12 @@ def return_rows(y: jax.Array, lay: SendLayout, axis: str, e: int, impl: str) -> 
 
 
 def _local_plan(recv_counts: jax.Array, r: int):
-    """Received rows ``[e * R]`` -> (local expert id of each, ``E/e`` meaning padding; stable sort by it; group
-    sizes ``[E/e]``; real row count)."""
+    """Received rows ``[e * R]`` -> (local expert id of each, ``E/e`` meaning padding; stable sort by it)."""
     e, el = recv_counts.shape
     cum = jnp.cumsum(recv_counts, axis=1)                                         # [e, E/e]
     j = jnp.arange(r, dtype=jnp.int32)
     lid = jax.vmap(lambda c: jnp.searchsorted(c, j, side="right"))(cum).astype(jnp.int32).reshape(e * r)
-    lorder = jnp.argsort(lid, stable=True).astype(jnp.int32)
-    gs = jnp.sum(recv_counts, axis=0).astype(jnp.int32)
-    return lid, lorder, gs, jnp.sum(gs)
+    return lid, jnp.argsort(lid, stable=True).astype(jnp.int32)
 
 
 def run_local_bounded(run_local: Callable, local_state, rows_sorted: jax.Array, lid_sorted: jax.Array,
@@ -299,15 +297,17 @@ def ep_experts(ep: ExpertParallel, run_local: Callable, expert_state, xt: jax.Ar
         r = x.shape[0] * k
         lay = SendLayout(i, v, ep.num_experts, e)
         rows = x[lay.order // k]                                                   # [R, H] sorted by expert
-        recv = dispatch_rows(rows, lay, ep.axis, e, impl)                          # [e, R, H]
         recv_counts = jax.lax.all_to_all(lay.expert_counts, ep.axis, 0, 0, tiled=False)  # [e, E/e] from source s
-        lid, lorder, gs, total = _local_plan(recv_counts, r)
+        recv_sizes = jnp.sum(recv_counts, axis=1).astype(jnp.int32)               # [e] rows from source s
+        recv = dispatch_rows(rows, lay, recv_sizes, ep.axis, e, impl)              # [e, R, H]
+        lid, lorder = _local_plan(recv_counts, r)
+        total = jnp.sum(recv_sizes)
         flat = recv.reshape(e * r, h)
         y_sorted = run_local_bounded(run_local, st, flat[lorder], lid[lorder], el, total,
                                      capacities(r, e, ep.capacity_factors))
         inv = jnp.zeros((e * r,), jnp.int32).at[lorder].set(jnp.arange(e * r, dtype=jnp.int32), unique_indices=True)
         y = jnp.where((lid < el)[:, None], y_sorted[inv], jnp.zeros((), y_sorted.dtype))
-        back = return_rows(y.reshape(e, r, -1), lay, ep.axis, e, impl)           # [R, H] at sorted positions
+        back = return_rows(y.reshape(e, r, -1), lay, recv_sizes, ep.axis, e, impl)           # [R, H] at sorted positions
         ok = lay.sorted_ids < ep.num_experts
         gate = jnp.where(ok, w.reshape(-1)[lay.order], jnp.zeros((), w.dtype))
         return combine_top_k(back * gate[:, None].astype(back.dtype), lay.order, k)

@@ -445,10 +445,9 @@ class SparseMoeBlock(nnx.Module):
         rows it received, the same kernel choice as the replicated path."""
         gdef, state = nnx.split(self.experts)
         ep = self.expert_parallel
-        local_cls = _LocalExperts
 
         def run_local(local_state, rows, group_sizes):
-            view = local_cls(self, nnx.merge(gdef, local_state), ep.local_experts)
+            view = _LocalExperts(self, nnx.merge(gdef, local_state), ep.local_experts)
             n = rows.shape[0]
             return view._run_experts(rows, jnp.ones((n, 1), self.dtype), jnp.arange(n, dtype=jnp.int32),
                                      group_sizes)
