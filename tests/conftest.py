@@ -22,14 +22,18 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _xla_cache
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")  # small programs too (trainer runs)
     atexit.register(shutil.rmtree, _xla_cache, True)
-# ... but not in this (the pytest) process: writing an entry serializes the executable, and for programs XLA:CPU
-# cannot serialize that throws a C++ exception; on 2026-11-27 one such unwind segfaulted inside libgcc's unwinder
-# here, and the SIGSEGV handler that vLLM's xgrammar dependency (apache-tvm-ffi) installs deadlocked on the
-# unwinder's lock: the whole suite hung at 0% CPU. Subprocesses keep the shared cache (a hang there ends at their
-# timeout, a failed test rather than a stuck run).
+# This (the pytest) process uses the cache too: many tests build several trainers whose programs are the same HLO
+# under new Python closures, a miss of JAX's in-memory cache that the persistent one catches (tests/test_sync_verify.py:
+# 90.7 s without it, 70.6 s with it, 2026-11-27; the whole suite went from ~2,070 s to ~5,000 s in CI while it was
+# off). It was off for one stop because of a hang seen here twice under heavy parallel load: a C++ exception (an
+# executable XLA:CPU cannot serialize for the cache, once an XLA:CPU compile error) unwound into a segfault inside
+# libgcc's unwinder, and the SIGSEGV handler of apache-tvm-ffi (loaded with vLLM's xgrammar) deadlocked on the
+# unwinder's lock, so the suite sat at 0% CPU. Now a segfault cannot hang the run: every test module starts and ends
+# with Python's faulthandler re-installed over whatever handler a library put there (_fatal_signals_to_faulthandler
+# below), which prints every thread's Python stack and lets the process die. FP8RL_TEST_CACHE=0 turns it off here.
 import jax  # noqa: E402
 
-jax.config.update("jax_enable_compilation_cache", False)
+jax.config.update("jax_enable_compilation_cache", os.environ.get("FP8RL_TEST_CACHE", "1") != "0")
 # No JAX platform is forced here: on a GPU machine the `gpu`-marked tests must run on the GPU. Every other test
 # runs with the CPU as JAX's default device (the autouse fixture below), so CPU-only tests compute on the CPU
 # whatever the machine, and their bit-exact references keep their meaning.
@@ -57,13 +61,29 @@ def _default_device(request):
         yield
 
 
+def _fatal_signals_to_faulthandler():
+    """Re-install Python's faulthandler for SIGSEGV/SIGFPE/SIGABRT/SIGBUS/SIGILL (to stderr, all threads): a library
+    loaded since (apache-tvm-ffi, with vLLM's xgrammar) may have put its own handler there, one that deadlocked in a
+    segfault inside the C++ unwinder (see the cache note above; tvm-ffi's handler replaces faulthandler's when it is
+    imported, checked 2026-11-27). faulthandler prints the stacks and then re-raises the signal with the default
+    action: the process dies with a traceback instead of hanging."""
+    import faulthandler
+    import sys
+
+    faulthandler.disable()  # enable() alone keeps an earlier enable and would not replace the library's handler
+    faulthandler.enable(file=sys.__stderr__, all_threads=True)
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _release_compiled_programs():
     """After each test module: drop JAX's in-memory caches of traced and compiled programs (``jax.clear_caches``)
     and collect garbage. The suite compiles thousands of programs in this one process; keeping them all grew it to
     ~8 GB here, beside the compile lane and the notebooks on a 24 GiB machine. Programs are rarely shared across
-    modules, so this costs little recompilation."""
+    modules, so this costs little recompilation (the persistent cache above has them). Also puts faulthandler back
+    on the fatal signals before and after the module (:func:`_fatal_signals_to_faulthandler`)."""
+    _fatal_signals_to_faulthandler()
     yield
+    _fatal_signals_to_faulthandler()
     import gc
 
     jax.clear_caches()

@@ -18,7 +18,7 @@ import pytest
 
 HERE = os.path.abspath(__file__)
 ROOT = os.path.dirname(os.path.dirname(HERE))
-MESHES = ("expert=2", "expert=8", "fsdp=2,expert=4", "fsdp=2,tensor=2,expert=2")
+MESHES = ("expert=2", "expert=8", "fsdp=2,expert=4")
 #: meshes on which the ragged lowering's layout runs with an emulated ragged all-to-all
 RAGGED_MESHES = ("fsdp=2,expert=4",)
 E, K_TOP, HID, INTER = 8, 2, 64, 32
@@ -316,7 +316,7 @@ def _worker_trainer(model_dir: str, ckpt_dir: str) -> dict:
     store = CheckpointStore(ckpt_dir, async_save=False)
     tr.save_checkpoint(store, force=True)
     m2 = tr.step()
-    p2 = flat_params(tr.model)
+    p2 = {k: np.array(v, copy=True) for k, v in flat_params(tr.model).items()}  # the same trainer steps again
     w_mesh = tr.export(fuse=False)
     w_host = export_weights({k: np.asarray(v) for k, v in flat_params(tr.model).items()}, "fp8_blockwise")
     out["export_equal"] = sorted(w_mesh.tensors) == sorted(w_host.tensors) and all(
@@ -326,7 +326,10 @@ def _worker_trainer(model_dir: str, ckpt_dir: str) -> dict:
     out["export_diff"] = sorted(set(w_mesh.tensors) ^ set(w_host.tensors))[:4] + [
         k for k in sorted(w_host.tensors) if k in w_mesh.tensors and not np.array_equal(
             np.asarray(w_mesh.tensors[k]).view(np.uint8), np.asarray(w_host.tensors[k]).view(np.uint8))][:4]
-    tr2 = RLTrainer(TrainConfig(output_dir="/nonexistent", **common))
+    # resume in the same trainer (its compiled programs are reused: a second trainer costs ~1 min of compiles here;
+    # a new process resuming is tests/test_checkpoint.py's): the parameters, AdamW moments, step and RNG all come
+    # from the checkpoint onto the expert-sharded mesh, and step 2 is redone
+    tr2 = tr
     restored = tr2.restore_checkpoint(store)
     m2b = tr2.step()
     store.close()
