@@ -61,17 +61,32 @@ def _default_device(request):
         yield
 
 
+_FAULT_FD: list[int] = []  # a copy of the terminal's stderr, made at configure time as pytest's faulthandler does
+
+
+def pytest_configure(config):
+    """Keep a duplicate of stderr's descriptor for :func:`_fatal_signals_to_faulthandler` (made here, as pytest's own
+    faulthandler plugin makes its copy, so output capture during a test does not swallow a crash's stacks)."""
+    import sys
+
+    try:
+        fd = sys.stderr.fileno()
+    except (AttributeError, ValueError):
+        fd = sys.__stderr__.fileno()
+    _FAULT_FD.append(os.dup(fd))
+
+
 def _fatal_signals_to_faulthandler():
-    """Re-install Python's faulthandler for SIGSEGV/SIGFPE/SIGABRT/SIGBUS/SIGILL (to stderr, all threads): a library
-    loaded since (apache-tvm-ffi, with vLLM's xgrammar) may have put its own handler there, one that deadlocked in a
-    segfault inside the C++ unwinder (see the cache note above; tvm-ffi's handler replaces faulthandler's when it is
-    imported, checked 2026-11-27). faulthandler prints the stacks and then re-raises the signal with the default
-    action: the process dies with a traceback instead of hanging."""
+    """Re-install Python's faulthandler for SIGSEGV/SIGFPE/SIGABRT/SIGBUS/SIGILL (all threads, to the stderr copy of
+    :func:`pytest_configure`): a library loaded since (apache-tvm-ffi, with vLLM's xgrammar) may have put its own
+    handler there, one that deadlocked in a segfault inside the C++ unwinder (see the cache note above; tvm-ffi's
+    handler replaces faulthandler's when it is imported, checked 2026-11-27). faulthandler prints the stacks and then
+    re-raises the signal with the default action: the process dies with a traceback instead of hanging."""
     import faulthandler
     import sys
 
     faulthandler.disable()  # enable() alone keeps an earlier enable and would not replace the library's handler
-    faulthandler.enable(file=sys.__stderr__, all_threads=True)
+    faulthandler.enable(file=_FAULT_FD[0] if _FAULT_FD else sys.__stderr__, all_threads=True)
 
 
 @pytest.fixture(autouse=True, scope="module")
