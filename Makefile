@@ -52,8 +52,8 @@ train: setup
 # -m notebooks). The lane compiles every program of `make compile-h100` but: the two 16-device 30B-A3B train steps
 # (~3 min; benchmarks/ep_mesh_model.py --compile), the 8-device copies of the fp16/e4m3/e5m2 train steps (the
 # 1-device ones and the bf16/FP8 8-device ones stay; ~3.5 min) and the 4-layer generate compiles that count kernels
-# per layer (--no_layer_count; ~5.5 min). The tests keep about one core busy (XLA:CPU compiles one program at a time; the mesh and
-# multi-process tests wait on their subprocesses), the lane takes the other. Fails if a test fails, the set-up fails,
+# per layer (--no_layer_count; ~5.5 min). The tests keep about one core busy (XLA:CPU compiles one program at a
+# time; the mesh and multi-process tests wait on their subprocesses), the lane takes the other. Fails if a test fails, the set-up fails,
 # any program does not compile or a notebook fails; those logs are printed at the end (and kept in
 # $(H100_COMPILE_DIR)/compile.log and notebooks.log). The sub-make is called as `make`, not $(MAKE), so that
 # `make -n test` stays a dry run (GNU make runs any recipe line naming $(MAKE) even under -n); command-line variables

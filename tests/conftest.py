@@ -24,8 +24,8 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     atexit.register(shutil.rmtree, _xla_cache, True)
 # This (the pytest) process uses the cache too: many tests build several trainers whose programs are the same HLO
 # under new Python closures, a miss of JAX's in-memory cache that the persistent one catches (tests/test_sync_verify.py:
-# 90.7 s without it, 70.6 s with it, 2026-11-27; the whole suite went from ~2,070 s to ~5,000 s in CI while it was
-# off). It was off for one stop because of a hang seen here twice under heavy parallel load: a C++ exception (an
+# 90.7 s without it, 70.6 s with it, 2026-11-27: one of the reasons the suite took 89 min in a clean clone while it
+# was off). It was off for one stop because of a hang seen here twice under heavy parallel load: a C++ exception (an
 # executable XLA:CPU cannot serialize for the cache, once an XLA:CPU compile error) unwound into a segfault inside
 # libgcc's unwinder, and the SIGSEGV handler of apache-tvm-ffi (loaded with vLLM's xgrammar) deadlocked on the
 # unwinder's lock, so the suite sat at 0% CPU. Now a segfault cannot hang the run: every test module starts and ends
@@ -83,10 +83,18 @@ def _fatal_signals_to_faulthandler():
     handler replaces faulthandler's when it is imported, checked 2026-11-27). faulthandler prints the stacks and then
     re-raises the signal with the default action: the process dies with a traceback instead of hanging."""
     import faulthandler
-    import sys
 
     faulthandler.disable()  # enable() alone keeps an earlier enable and would not replace the library's handler
-    faulthandler.enable(file=_FAULT_FD[0] if _FAULT_FD else sys.__stderr__, all_threads=True)
+    faulthandler.enable(file=_FAULT_FD[0], all_threads=True)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _faulthandler_on_fatal_signals():
+    """Before and after each test module: :func:`_fatal_signals_to_faulthandler` (a module may import the library
+    that replaces the handler)."""
+    _fatal_signals_to_faulthandler()
+    yield
+    _fatal_signals_to_faulthandler()
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -94,11 +102,8 @@ def _release_compiled_programs():
     """After each test module: drop JAX's in-memory caches of traced and compiled programs (``jax.clear_caches``)
     and collect garbage. The suite compiles thousands of programs in this one process; keeping them all grew it to
     ~8 GB here, beside the compile lane and the notebooks on a 24 GiB machine. Programs are rarely shared across
-    modules, so this costs little recompilation (the persistent cache above has them). Also puts faulthandler back
-    on the fatal signals before and after the module (:func:`_fatal_signals_to_faulthandler`)."""
-    _fatal_signals_to_faulthandler()
+    modules, so this costs little recompilation (the persistent cache above has them)."""
     yield
-    _fatal_signals_to_faulthandler()
     import gc
 
     jax.clear_caches()

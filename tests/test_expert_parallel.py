@@ -292,7 +292,7 @@ def _collectives(hlo: str, stacks) -> dict:
 
 def _worker_trainer(model_dir: str, ckpt_dir: str) -> dict:
     """RLTrainer, 2 steps on ``fsdp=2,expert=4`` (expert-parallel; FP8 training, 2 micro-batches, scanned layers
-    with full remat, FP8 rollout on the same mesh), checkpoint after step 1, resume from it in a new trainer and redo
+    with full remat, FP8 rollout on the same mesh), checkpoint after step 1, restore it into the same trainer and redo
     step 2: same metrics and parameters. Plus the FP8 export on the mesh byte-equal to the unsharded one."""
     sys.path.insert(0, os.path.join(ROOT, "tests"))
     from test_mesh import flat_params
@@ -318,7 +318,7 @@ def _worker_trainer(model_dir: str, ckpt_dir: str) -> dict:
     m2 = tr.step()
     p2 = {k: np.array(v, copy=True) for k, v in flat_params(tr.model).items()}  # the same trainer steps again
     w_mesh = tr.export(fuse=False)
-    w_host = export_weights({k: np.asarray(v) for k, v in flat_params(tr.model).items()}, "fp8_blockwise")
+    w_host = export_weights(p2, "fp8_blockwise")
     out["export_equal"] = sorted(w_mesh.tensors) == sorted(w_host.tensors) and all(
         np.array_equal(np.asarray(w_mesh.tensors[k]).view(np.uint8), np.asarray(w_host.tensors[k]).view(np.uint8))
         for k in w_host.tensors)
@@ -329,14 +329,13 @@ def _worker_trainer(model_dir: str, ckpt_dir: str) -> dict:
     # resume in the same trainer (its compiled programs are reused: a second trainer costs ~1 min of compiles here;
     # a new process resuming is tests/test_checkpoint.py's): the parameters, AdamW moments, step and RNG all come
     # from the checkpoint onto the expert-sharded mesh, and step 2 is redone
-    tr2 = tr
-    restored = tr2.restore_checkpoint(store)
-    m2b = tr2.step()
+    restored = tr.restore_checkpoint(store)
+    m2b = tr.step()
     store.close()
     keys = [k for k in m2 if not k.startswith(("timing/", "sync/", "memory/"))]
     out["restored"] = restored
     out["resume_metric_diff"] = {k: (m2[k], m2b[k]) for k in keys if not (m2[k] == m2b[k] or (np.isnan(m2[k]) and np.isnan(m2b[k])))}
-    p2b = flat_params(tr2.model)
+    p2b = flat_params(tr.model)
     out["resume_param_equal"] = all(np.array_equal(p2[k], p2b[k]) for k in p2)
     out["step1_finite"] = all(np.isfinite(v) for k, v in m1.items() if k.startswith("actor/"))
     return out

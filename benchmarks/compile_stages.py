@@ -1,0 +1,112 @@
+#!/usr/bin/env python
+"""Where an engine program's compile time goes: trace, lower and XLA:GPU compile, bf16 against FP8 (issue 37 item 5).
+
+    .venv-cuda/bin/python benchmarks/compile_stages.py                       # generate_bf16_b1 and generate_fp8_b1
+    .venv-cuda/bin/python benchmarks/compile_stages.py --programs generate_bf16_b128 generate_fp8_b128
+
+Each program is one of ``scripts/compile_h100.py``'s (same builders: Qwen3 widths, 2 decoder layers unless
+``--layers``), compiled deviceless for an H100 (sm_90a) in its own fresh process, so no program finds another's
+kernels or executables in a cache (the persistent compilation cache is off). Per program: seconds of
+``jit(...).trace``, ``.lower(lowering_platforms=("cuda",))`` and ``.compile()`` (wall clock, this process), and the
+lowered module's Mosaic GPU kernels: ``mosaic_gpu_v2`` custom calls and their distinct ``kernel_hash`` values (each
+distinct kernel is lowered in Python once and built by the CUDA plugin's LLVM + ptxas once). Issue 37's goal: the
+FP8 programs compile in at most 1.5x the bf16 ones' time.
+
+Prints a table; writes ``benchmarks/results/compile_stages_h100.json`` (``--json`` to change).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULT_TAG = "COMPILE_STAGES "
+
+
+def measure(name: str, layers: int) -> dict:
+    """Trace, lower and compile ``scripts/compile_h100.py``'s program ``name`` at ``layers`` layers for an H100
+    (this process; call it in a fresh one). Returns ``{"program", "layers", "trace_s", "lower_s", "compile_s",
+    "total_s", "mosaic_calls", "mosaic_kernels"}``."""
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    import functools
+
+    import jax
+
+    import compile_h100
+    from fp8rl_jax.gpu_target import lowering_for_h100
+
+    jax.config.update("jax_enable_compilation_cache", False)
+    fn, args, kw, mesh = compile_h100.build(compile_h100.PROGRAMS[name], layers)
+    jitted = fn if hasattr(fn, "trace") else jax.jit(functools.partial(fn, **kw))
+    kwargs = kw if hasattr(fn, "trace") else {}
+    with lowering_for_h100(mesh):
+        t0 = time.perf_counter()
+        traced = jitted.trace(*args, **kwargs)
+        t1 = time.perf_counter()
+        lowered = traced.lower(lowering_platforms=("cuda",))
+        t2 = time.perf_counter()
+        lowered.compile()
+        t3 = time.perf_counter()
+    text = lowered.as_text()
+    calls = [ln for ln in text.splitlines() if "mosaic_gpu" in ln and "custom_call" in ln]
+    hashes = {m.group(1) for ln in calls for m in [re.search(r'kernel_hash = "((?:[^"\\]|\\.)*)"', ln)] if m}
+    return {"program": name, "layers": layers, "trace_s": round(t1 - t0, 2), "lower_s": round(t2 - t1, 2),
+            "compile_s": round(t3 - t2, 2), "total_s": round(t3 - t0, 2), "mosaic_calls": len(calls),
+            "mosaic_kernels": len(hashes)}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--programs", nargs="+", default=["generate_bf16_b1", "generate_fp8_b1"])
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--json", default=os.path.join(ROOT, "benchmarks", "results", "compile_stages_h100.json"))
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker:
+        print(RESULT_TAG + json.dumps(measure(args.worker, args.layers)), flush=True)
+        return 0
+    env = {**os.environ, "JAX_SKIP_CUDA_CONSTRAINTS_CHECK": "1", "TF_CPP_MIN_LOG_LEVEL": "2"}
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)
+    rows = []
+    for name in args.programs:
+        r = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", name, f"--layers={args.layers}"],
+                           cwd=ROOT, env=env, capture_output=True, text=True)
+        lines = [ln for ln in r.stdout.splitlines() if ln.startswith(RESULT_TAG)]
+        if r.returncode != 0 or not lines:
+            print(f"{name}: failed\n{r.stderr[-3000:]}", file=sys.stderr)
+            return 1
+        rows.append(json.loads(lines[-1][len(RESULT_TAG):]))
+    import jax
+
+    print(f"Compile stages for sm_90a (deviceless), {args.layers} layers; jax {jax.__version__}; "
+          f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs")
+    print(f"{'program':<24} {'trace s':>8} {'lower s':>8} {'compile s':>10} {'total s':>8} {'Mosaic calls':>13} "
+          f"{'kernels':>8}")
+    for r in rows:
+        print(f"{r['program']:<24} {r['trace_s']:>8.2f} {r['lower_s']:>8.2f} {r['compile_s']:>10.2f} "
+              f"{r['total_s']:>8.2f} {r['mosaic_calls']:>13} {str(r['mosaic_kernels']):>8}")
+    by_name = {r["program"]: r for r in rows}
+    for r in rows:  # each FP8 program against the bf16 one of the same batch (generate_fp8[_kv]_bN -> generate_bf16_bN)
+        base = by_name.get(re.sub(r"fp8(_kv)?", "bf16", r["program"]))
+        if "fp8" in r["program"] and base:
+            r["ratio_to_bf16"] = round(r["total_s"] / base["total_s"], 2)
+            print(f"{r['program']}: {r['ratio_to_bf16']:.2f}x {base['program']}'s total (issue 37's goal: <= 1.5x)")
+    cmd = "python benchmarks/compile_stages.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    out = {"command": cmd.strip(), "jax": jax.__version__, "target": "sm_90a H100 SXM (deviceless)",
+           "host_cpus": os.cpu_count(), "layers": args.layers, "programs": rows}
+    os.makedirs(os.path.dirname(args.json), exist_ok=True)
+    with open(args.json, "w") as f:
+        json.dump(out, f, indent=2)
+    print(f"wrote {os.path.relpath(args.json, ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
