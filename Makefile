@@ -47,28 +47,37 @@ setup-cuda: $(VENV_CUDA)/.cuda-ok
 train: setup
 	$(PY) scripts/train.py --gin_file=$(GIN_FILE) --output_dir=$(OUTPUT_DIR) --resume=auto $(GIN_PARAMS)
 
-# The test suite and, side by side with it, one lane of: the CUDA environment's set-up, the GPU programs compiled
-# for an H100 (sm_90a) on this CPU, then the example notebooks executed in fresh kernels (tests/test_notebooks.py
-# -m notebooks). The lane compiles every program of `make compile-h100` but: the two 16-device 30B-A3B train steps
-# (~3 min; benchmarks/ep_mesh_model.py --compile), the 8-device copies of the fp16/e4m3/e5m2 train steps (the
-# 1-device ones and the bf16/FP8 8-device ones stay; ~3.5 min) and the 4-layer generate compiles that count kernels
-# per layer (--no_layer_count; ~5.5 min). The tests keep about one core busy (XLA:CPU compiles one program at a
-# time; the mesh and multi-process tests wait on their subprocesses), the lane takes the other. Fails if a test fails, the set-up fails,
-# any program does not compile or a notebook fails; those logs are printed at the end (and kept in
+# The test suite on two pytest-xdist workers (`-n 2 --dist loadfile`: a test file stays on one worker, so its module
+# fixtures are built once; tests/conftest.py hands out the slowest files first) and, side by side with them, one
+# lane of: the CUDA environment's set-up, the GPU programs compiled for an H100 (sm_90a) on this CPU, then the example
+# notebooks executed in fresh kernels (tests/test_notebooks.py -m notebooks). The lane compiles every program of
+# `make compile-h100` but: the two 16-device 30B-A3B train steps (~3 min; benchmarks/ep_mesh_model.py --compile),
+# the 8-device copies of the fp16/e4m3/e5m2 train steps and the bf16 8-device one (the fp8 8-device one keeps the
+# sharded train step), the e5m2 1-device train step (the e4m3 one compiles the same FP8 training code with the
+# other format), the FP8-KV generate at b=128 (its b=1 program keeps the FP8-KV kernels) and the 4-layer generate
+# compiles that count kernels per layer (--no_layer_count). Why two workers: on the 2-core CI machine one pytest
+# process keeps about one core busy (XLA:CPU compiles one program at a time; the mesh and multi-process tests wait on
+# their subprocesses), and the lane ends long before the tests. The tests and the notebooks share one persistent XLA
+# compilation cache for the run (removed at the end; tests/conftest.py explains the cache). Fails if a test fails,
+# the set-up fails, any program does not compile or a notebook fails; those logs are printed at the end (and kept in
 # $(H100_COMPILE_DIR)/compile.log and notebooks.log). The sub-make is called as `make`, not $(MAKE), so that
 # `make -n test` stays a dry run (GNU make runs any recipe line naming $(MAKE) even under -n); command-line variables
 # still reach it.
+TEST_XLA_CACHE ?= $(H100_COMPILE_DIR)/xla-cache
 test: setup-test
-	@mkdir -p $(H100_COMPILE_DIR)
-	@( ( make --no-print-directory setup-cuda && \
-	     $(PY_CUDA) scripts/compile_h100.py --jobs=1 --no_layer_count \
-	       --exclude 'train_moe_fp8_fsdp*' train_fp16_8dev train_fp8_e4m3_8dev train_fp8_e5m2_8dev --output_dir=$(H100_COMPILE_DIR) ) \
+	@mkdir -p $(H100_COMPILE_DIR) && rm -rf $(TEST_XLA_CACHE) && mkdir -p $(TEST_XLA_CACHE)
+	@export JAX_COMPILATION_CACHE_DIR=$(abspath $(TEST_XLA_CACHE)) JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0; \
+	( ( make --no-print-directory setup-cuda && \
+	     env -u JAX_COMPILATION_CACHE_DIR $(PY_CUDA) scripts/compile_h100.py --jobs=1 --no_layer_count \
+	       --exclude 'train_moe_fp8_fsdp*' train_fp16_8dev train_bf16_8dev train_fp8_e4m3_8dev 'train_fp8_e5m2_*' \
+	       generate_fp8_kv_b128 --output_dir=$(H100_COMPILE_DIR) ) \
 	      > $(H100_COMPILE_DIR)/compile.log 2>&1; echo $$? > $(H100_COMPILE_DIR)/compile.rc; \
 	   $(PY) -m pytest -q -ra -m notebooks tests/test_notebooks.py > $(H100_COMPILE_DIR)/notebooks.log 2>&1; \
 	   echo $$? > $(H100_COMPILE_DIR)/notebooks.rc ) & lane_pid=$$!; \
 	trap 'pkill -P $$lane_pid 2>/dev/null; kill $$lane_pid 2>/dev/null' INT TERM; \
-	$(PY) -m pytest -q -ra --durations=25 -m "not notebooks" tests; tests_rc=$$?; \
+	$(PY) -m pytest -q -ra --durations=25 -n 2 --dist loadfile -m "not notebooks" tests; tests_rc=$$?; \
 	wait $$lane_pid; compile_rc=$$(cat $(H100_COMPILE_DIR)/compile.rc); nb_rc=$$(cat $(H100_COMPILE_DIR)/notebooks.rc); \
+	rm -rf $(TEST_XLA_CACHE); \
 	echo "== make setup-cuda, scripts/compile_h100.py (H100 compile of every GPU program; exit $$compile_rc)"; \
 	cat $(H100_COMPILE_DIR)/compile.log; \
 	echo "== the example notebooks, each in a fresh kernel (tests/test_notebooks.py -m notebooks; exit $$nb_rc)"; \

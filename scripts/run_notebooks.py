@@ -19,6 +19,7 @@ import hashlib
 import json
 import os
 import platform
+import resource
 import sys
 import tempfile
 import time
@@ -58,7 +59,9 @@ def execute(path: str, cell_timeout_s: float | None = None):
     cell fails.
 
     Returns:
-      ``(notebook with outputs, wall seconds)``.
+      ``(notebook with outputs, wall seconds, kernel CPU seconds)``: the CPU seconds are the user + system time of
+      the kernel process and what it started (``getrusage(RUSAGE_CHILDREN)`` once nbclient has stopped and reaped
+      it), a measure of the notebook's own work that other load on the machine does not inflate.
 
     Raises:
       nbclient.exceptions.CellExecutionError: a cell raised (the traceback is in the message).
@@ -69,6 +72,7 @@ def execute(path: str, cell_timeout_s: float | None = None):
 
     nb = nbformat.read(path, as_version=4)
     timeout = cell_timeout_s if cell_timeout_s is not None else budget_s(nb)
+    ru0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
     client = nbclient.NotebookClient(nb, timeout=timeout, kernel_name="python3",
                                      resources={"metadata": {"path": os.path.dirname(path)}})
@@ -82,7 +86,10 @@ def execute(path: str, cell_timeout_s: float | None = None):
                 os.environ.pop("TMPDIR", None)
             else:
                 os.environ["TMPDIR"] = saved
-    return nb, time.perf_counter() - t0
+    wall = time.perf_counter() - t0
+    ru1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (ru1.ru_utime - ru0.ru_utime) + (ru1.ru_stime - ru0.ru_stime)
+    return nb, wall, cpu
 
 
 def main(argv=None) -> int:
@@ -97,13 +104,13 @@ def main(argv=None) -> int:
     for path in notebook_paths(args.only):
         name = os.path.basename(path)
         try:
-            nb, wall = execute(path)
+            nb, wall, cpu = execute(path)
         except Exception as e:  # noqa: BLE001 - report every notebook
             failed.append(name)
             print(f"FAILED {name}: {type(e).__name__}: {str(e)[-3000:]}", flush=True)
             continue
         rows.append((name, wall, budget_s(nb)))
-        print(f"{name}: {wall:.1f} s (budget {budget_s(nb):.0f} s)", flush=True)
+        print(f"{name}: {wall:.1f} s, kernel CPU {cpu:.1f} s (budget {budget_s(nb):.0f} s)", flush=True)
         if args.write:
             meta = nb.metadata.setdefault("fp8rl", {})
             meta.update({"source_sha256": code_sha256(nb), "executed_s": round(wall, 1),

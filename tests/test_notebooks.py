@@ -53,11 +53,16 @@ def test_every_notebook_is_committed_with_the_outputs_of_its_code():
 @pytest.mark.parametrize("name", EXPECTED)
 def test_notebook_runs_in_a_fresh_kernel_within_its_budget(name):
     """Execute the notebook (nbclient, a new python3 kernel): any error, failed assertion in its last cells, or a
-    cell past the budget fails."""
+    cell past the budget fails, and so does a notebook whose cost passes 1.5x its budget. The cost is the smaller of
+    the wall time and the kernel's CPU time: alone on a machine the wall time is the smaller (the kernel's XLA runs on
+    every core), while `make test` runs the notebooks beside two pytest workers on 2 cores, where the wall time
+    measures the load and the CPU time still measures the notebook."""
     pytest.importorskip("nbclient", reason="needs the [notebooks] extra")
     pytest.importorskip("ipykernel", reason="needs the [notebooks] extra")
     run = _runner()
     (path,) = run.notebook_paths([name])
-    nb, wall = run.execute(path)
-    print(f"{name}: {wall:.1f} s")
-    assert wall <= run.budget_s(nb) * 1.5, f"{name} took {wall:.0f} s (budget {run.budget_s(nb):.0f} s)"
+    nb, wall, cpu = run.execute(path)
+    print(f"{name}: {wall:.1f} s, kernel CPU {cpu:.1f} s")
+    assert cpu > 0, "the kernel's CPU time was not measured"
+    assert min(wall, cpu) <= run.budget_s(nb) * 1.5, \
+        f"{name} took {wall:.0f} s wall, {cpu:.0f} s of kernel CPU (budget {run.budget_s(nb):.0f} s)"
