@@ -48,7 +48,7 @@ train: setup
 	$(PY) scripts/train.py --gin_file=$(GIN_FILE) --output_dir=$(OUTPUT_DIR) --resume=auto $(GIN_PARAMS)
 
 # The test suite on two pytest-xdist workers (`-n 2 --dist loadfile`: a test file stays on one worker, so its module
-# fixtures are built once; tests/conftest.py hands out the slowest files first) and, side by side with them, one
+# fixtures are built once; xdist hands out the files with the most tests first) and, side by side with them, one
 # lane of: the CUDA environment's set-up, the GPU programs compiled for an H100 (sm_90a) on this CPU, then the example
 # notebooks executed in fresh kernels (tests/test_notebooks.py -m notebooks). The lane compiles every program of
 # `make compile-h100` but: the two 16-device 30B-A3B train steps (~3 min; benchmarks/ep_mesh_model.py --compile),
