@@ -21,7 +21,18 @@ kept at most 2 steps in flight per program and ran f16 ``mma.sync``; on an H200 
   of the K-block count, for the best wave efficiency on 132 SMs with the CTAs that fit per SM); each CTA writes its
   float32 partial ``[64 * compute_wgs, M_pad]`` to ``partials[split]``. The reduction over splits (and the SwiGLU
   ``silu(gate) * up`` or the residual add of the caller) runs in one XLA fusion after the kernel, so nothing
-  non-linear comes before the sum.
+  non-linear comes before the sum;
+* **stream-K** where split-K by divisors cannot fill the SMs (``DecodeGemmConfig.stream_k_ctas``; Osama et al.,
+  "Stream-K", PPoPP 2023; CUTLASS sm90's stream-K scheduler): the ``tiles x K blocks`` units are cut into equal
+  contiguous ranges of ``L`` units, one per CTA (one wave), a range crossing at most one tile boundary (``L <= K
+  blocks``). A CTA keeps two accumulators, the tile it starts in and the next, and adds each K block's promoted
+  product to one of them by a 0/1 factor (no branch in the loop); it writes both. Which ``(CTA, segment)`` partials
+  make each tile is static, so :func:`decode_w8a8_partials` gathers them into the same ``[S, N_pad, M_pad]`` layout
+  as split-K (``S`` = the most CTAs sharing a tile; absent ones read zeros) and the caller's reduction is unchanged.
+  The 0/1 factor is a multiply, not a select: a non-finite product (finite e4m3 operands and float32 scales make
+  one only by overflowing float32) would also turn the CTA's other tile into NaN.
+  Qwen3-30B-A3B's fused q/k/v (``N = 5120, K = 2048``: 40 tiles x 16 blocks) gets 128 CTAs of 5 blocks: 0.97 wave
+  efficiency on 132 SMs, where the best split-K gives 0.81.
 
 Semantics: vLLM's W8A8 blockwise contract, ``y[m, n] = sum_kb (xq[m, kb] . wq[n, kb]) * xs[m, kb] * ws[n // 128,
 kb]`` with DeepGEMM's promotion (each K block's wgmma partial starts at zero in float32 and is scaled before it is
@@ -79,12 +90,21 @@ class DecodeGemmConfig:
       stages: TMA ring depth (K blocks in flight per CTA).
       splits: split-K factor (must divide the K-block count): the grid is ``(N / cta_n, splits)``.
       memory_registers: registers per thread of the TMA warpgroup.
+      stream_k_ctas: 0 (split-K), or stream-K over at most this many CTAs (``splits`` must then be 1): each takes
+        ``L = ceil(tiles * K blocks / stream_k_ctas)`` consecutive (tile, K block) units, ``L <= K blocks``.
     """
 
     compute_wgs: int = 2
     stages: int = 6
     splits: int = 1
     memory_registers: int = 40
+    stream_k_ctas: int = 0
+
+    def stream_k_units(self, n_tiles: int, kb: int) -> tuple[int, int]:
+        """Stream-K's ``(L, CTAs used)``: units per CTA and ``ceil(n_tiles * kb / L)``."""
+        total = n_tiles * kb
+        per = -(-total // self.stream_k_ctas)
+        return per, -(-total // per)
 
     @property
     def cta_n(self) -> int:
@@ -96,9 +116,10 @@ class DecodeGemmConfig:
         return (self.cta_n + m_pad) * BLOCK_SIZE + 4 * m_pad
 
     def smem_bytes(self, m_pad: int) -> int:
-        """Shared memory of a CTA: the ring and the float32 output tile (Mosaic adds barriers:
+        """Shared memory of a CTA: the ring and the float32 output tile (two for stream-K; Mosaic adds barriers:
         :data:`fp8rl_jax.fp8.mosaic_gemm.SMEM_MARGIN_BYTES`)."""
-        return self.stages * self.stage_bytes(m_pad) + self.cta_n * m_pad * 4 + SMEM_MARGIN_BYTES
+        out_tiles = 2 if self.stream_k_ctas else 1  # stream-K writes two partial tiles
+        return self.stages * self.stage_bytes(m_pad) + out_tiles * self.cta_n * m_pad * 4 + SMEM_MARGIN_BYTES
 
     def ctas_per_sm(self, m_pad: int) -> int:
         """CTAs resident on one SM: 1. Registers decide it, not shared memory: Mosaic GPU's warp specialization gives
@@ -108,13 +129,27 @@ class DecodeGemmConfig:
         del m_pad
         return 1
 
-    def validate(self, m_pad: int, kb: int) -> None:
+    def validate(self, m_pad: int, kb: int, n: int | None = None) -> None:
         """Raise ``ValueError`` for an unsupported configuration (named field), one that does not fit Hopper's
-        shared memory, or ``splits`` not dividing the ``kb`` K blocks."""
+        shared memory, ``splits`` not dividing the ``kb`` K blocks, or (stream-K, which needs the ``n`` weight rows)
+        a CTA range longer than ``kb`` units or ``splits != 1``."""
         if self.compute_wgs not in (1, 2):
             raise ValueError(f"DecodeGemmConfig.compute_wgs must be 1 or 2, got {self.compute_wgs}")
         if self.stages < 2:
             raise ValueError(f"DecodeGemmConfig.stages must be >= 2, got {self.stages}")
+        if self.stream_k_ctas < 0:
+            raise ValueError(f"DecodeGemmConfig.stream_k_ctas must be >= 0, got {self.stream_k_ctas}")
+        if self.stream_k_ctas and self.splits != 1:
+            raise ValueError(f"DecodeGemmConfig.splits={self.splits} with stream_k_ctas={self.stream_k_ctas}: "
+                             "stream-K replaces split-K (splits must be 1)")
+        if self.stream_k_ctas:
+            if n is None:
+                raise ValueError("DecodeGemmConfig.validate needs the weight rows n for a stream-K configuration")
+            per, _ = self.stream_k_units(-(-n // self.cta_n), kb)
+            if per > kb:
+                raise ValueError(f"DecodeGemmConfig.stream_k_ctas={self.stream_k_ctas} gives {per} units per CTA, "
+                                 f"more than the {kb} K blocks of a tile (a CTA may cross one tile boundary): "
+                                 "use more CTAs")
         if self.splits < 1 or kb % self.splits:
             raise ValueError(f"DecodeGemmConfig.splits={self.splits} must divide the {kb} K blocks of 128")
         if self.smem_bytes(m_pad) > HOPPER_SMEM_BYTES:
@@ -128,7 +163,7 @@ class Roofline:
     shipped decode configuration to meet.
 
     Attributes:
-      grid: CTAs ``(N / cta_n, splits)``.
+      grid: CTAs ``(N / cta_n, splits)``; stream-K: ``(CTAs used, 1)``.
       waves: CTAs per wave = SMs x CTAs per SM; ``wave_efficiency`` = CTAs / (waves needed x CTAs per wave).
       bytes_in_flight_per_sm: the ring's bytes per CTA (``min(stages, K blocks per split)`` stages) x CTAs resident
         per SM (:meth:`DecodeGemmConfig.ctas_per_sm`).
@@ -149,33 +184,41 @@ def loop_instruction_count(cfg: DecodeGemmConfig, m_pad: int) -> int:
     promotion ``acc = acc + p * s`` over its ``16 x M_pad`` accumulator slice (``M_pad / 2`` FMA and ``M_pad / 2``
     multiply per thread), 2 scale loads and ~8 barrier/ring operations; the TMA warp issues ~6 per stage."""
     per_warp = 4 + 2 + m_pad // 2 + m_pad // 2 + 2 + 8
+    if cfg.stream_k_ctas:  # the second accumulator (M_pad / 2 more FMAs) and the unit -> (tile, block) arithmetic
+        per_warp += m_pad // 2 + 8
     return 4 * cfg.compute_wgs * per_warp + 6
 
 
 def roofline(cfg: DecodeGemmConfig, n: int, k: int, m: int, sms: int = HOPPER_SMS) -> Roofline:
     """The :class:`Roofline` of ``cfg`` for an ``[m, k] x [n, k]`` decode GEMM on ``sms`` SMs."""
     m_pad = padded_tokens(m)
-    grid = (-(-n // cfg.cta_n), cfg.splits)
-    ctas = grid[0] * grid[1]
+    kb = -(-k // BLOCK_SIZE)
     per_sm = cfg.ctas_per_sm(m_pad)
     wave = sms * per_sm
-    eff = ctas / (math.ceil(ctas / wave) * wave)
+    if cfg.stream_k_ctas:  # one range of L units per CTA: the time is L units on every SM of the waves used
+        tiles = -(-n // cfg.cta_n)
+        kps, ctas = cfg.stream_k_units(tiles, kb)
+        grid = (ctas, 1)
+        eff = tiles * kb / (math.ceil(ctas / wave) * wave * kps)
+    else:
+        grid = (-(-n // cfg.cta_n), cfg.splits)
+        ctas = grid[0] * grid[1]
+        eff = ctas / (math.ceil(ctas / wave) * wave)
+        kps = max(1, kb // cfg.splits)
     resident = min(per_sm, math.ceil(ctas / sms))
-    kps = max(1, -(-k // BLOCK_SIZE) // cfg.splits)
     in_flight = min(cfg.stages, kps) * cfg.stage_bytes(m_pad) * resident  # a ring never holds more than its split
     per_byte = loop_instruction_count(cfg, m_pad) / (cfg.cta_n * BLOCK_SIZE)
     return Roofline(grid, float(eff), int(in_flight), float(per_byte))
 
 
-#: decode GEMMs whose best split-K configuration misses issue 37's wave-efficiency check (>= 0.9), with the reason;
-#: ``(N, K) -> reason``. Reported by scripts/compile_h100.py as known, not hidden.
-KNOWN_SHORTFALLS = {
-    (5120, 2048): "Qwen3-30B-A3B fused q/k/v: 16 K blocks; split-K by divisors of 16 with >= 24 KiB in flight per "
-                  "SM gives at best 320 CTAs on 132 SMs (0.81 wave efficiency); stream-K (not built) would fill them",
-}
+#: decode GEMMs whose default configuration misses issue 37's wave-efficiency check (>= 0.9), with the reason;
+#: ``(N, K) -> reason``. Reported by scripts/compile_h100.py as known, not hidden. Empty since stream-K: the
+#: Qwen3-30B-A3B fused q/k/v (0.81 with split-K) reaches 0.97.
+KNOWN_SHORTFALLS: dict = {}
 
 
-def choose_config(n: int, k: int, m: int, sms: int = HOPPER_SMS, max_stages: int = 8) -> DecodeGemmConfig:
+def choose_config(n: int, k: int, m: int, sms: int = HOPPER_SMS, max_stages: int = 8,
+                  stream_k: bool = True) -> DecodeGemmConfig:
     """The default configuration for a decode GEMM, chosen by arithmetic (:func:`roofline`), never by a guess:
 
     among 2 or 1 compute warpgroups (1 only when N is not a multiple of 128), ``stages`` from 4 to ``max_stages``
@@ -186,8 +229,10 @@ def choose_config(n: int, k: int, m: int, sms: int = HOPPER_SMS, max_stages: int
     (:mod:`fp8rl_jax.kernels.tuner`) may replace it by measurement.
 
     Split-K by divisors of the K-block count reaches >= 0.97 wave efficiency on every Qwen3-8B decode GEMM at
-    M = 1..64, but not on the small Qwen3-30B-A3B attention GEMMs (K = 2048: 16 blocks): there the best is 0.81
-    (tests/test_decode_gemm_mgpu.py records it); stream-K would fill those, it is not built.
+    M = 1..64, but not on the Qwen3-30B-A3B fused q/k/v (K = 2048: 16 blocks), where the best is 0.81. Where the
+    best split-K misses 0.9 and ``stream_k``, the same search runs over stream-K on one wave of CTAs (``L >= 4``
+    units each, ``L <= K blocks``) and takes it if it does better (0.97 there). Split-K stays first elsewhere until a
+    GPU run has timed the two (where stream-K is the default, the tuner's candidates include the best split-K).
 
     Raises:
       ValueError: ``m`` outside 1..64.
@@ -206,23 +251,37 @@ def choose_config(n: int, k: int, m: int, sms: int = HOPPER_SMS, max_stages: int
                        min(r.bytes_in_flight_per_sm, 4 * MIN_BYTES_IN_FLIGHT_PER_SM), -splits, wgs, stages)
                 if best_key is None or key > best_key:
                     best, best_key = cfg, key
+    if not stream_k or roofline(best, n, k, m, sms).wave_efficiency >= 0.9:
+        return best
+    tiles_of = {wgs: -(-n // (WG_ROWS * wgs)) for wgs in (1, 2)}
+    for wgs in ((2, 1) if n % 128 == 0 else (1,)):
+        for stages in range(4, max_stages + 1):
+            cfg = DecodeGemmConfig(compute_wgs=wgs, stages=stages, stream_k_ctas=sms)
+            per, _ = cfg.stream_k_units(tiles_of[wgs], kb)
+            if cfg.smem_bytes(m_pad) > HOPPER_SMEM_BYTES or per > kb or per < min(stages, 4) or stages > per:
+                continue
+            r = roofline(cfg, n, k, m, sms)
+            key = (r.bytes_in_flight_per_sm >= MIN_BYTES_IN_FLIGHT_PER_SM, round(r.wave_efficiency, 3),
+                   min(r.bytes_in_flight_per_sm, 4 * MIN_BYTES_IN_FLIGHT_PER_SM), -1, wgs, stages)
+            if key > best_key:
+                best, best_key = cfg, key
     return best
 
 
 def candidate_configs(n: int, k: int, m: int) -> list[DecodeGemmConfig]:
     """The configurations the on-device tuner times for a shape (the first is :func:`choose_config`'s, the default):
-    its neighbours with a 4-stage ring, twice and half the splits (when they divide the K blocks), and the other
-    warpgroup count; only valid ones, no duplicates."""
+    its neighbours with a 4-stage ring, twice and half the splits (when they divide the K blocks), the other
+    warpgroup count, and the best split-K where the default is stream-K; only valid ones, no duplicates."""
     base = choose_config(n, k, m)
     m_pad, kb = padded_tokens(m), -(-k // BLOCK_SIZE)
     out = [base]
     for cfg in (dataclasses.replace(base, stages=4), dataclasses.replace(base, splits=base.splits * 2),
                 dataclasses.replace(base, splits=max(1, base.splits // 2)),
-                dataclasses.replace(base, compute_wgs=3 - base.compute_wgs)):
+                dataclasses.replace(base, compute_wgs=3 - base.compute_wgs), choose_config(n, k, m, stream_k=False)):
         if cfg in out or (cfg.compute_wgs == 2 and n % 128):
             continue
         try:
-            cfg.validate(m_pad, kb)
+            cfg.validate(m_pad, kb, n)
         except ValueError:
             continue
         out.append(cfg)
@@ -262,6 +321,8 @@ def tuned_config(n: int, k: int, m: int) -> DecodeGemmConfig:
 
 
 def _config_name(cfg: DecodeGemmConfig) -> str:
+    if cfg.stream_k_ctas:
+        return f"swapab(wgs={cfg.compute_wgs},stages={cfg.stages},stream_k={cfg.stream_k_ctas})"
     return f"swapab(wgs={cfg.compute_wgs},stages={cfg.stages},splits={cfg.splits})"
 
 
@@ -347,6 +408,115 @@ def _build(np_: int, m_pad: int, kb: int, cfg: DecodeGemmConfig, interpret):
     )
 
 
+def _build_stream_k(np_: int, m_pad: int, kb: int, cfg: DecodeGemmConfig, interpret):
+    """The stream-K ``plgpu.kernel``: operands as :func:`_build`; ``-> f32 [2 * ctas, cta_n, m_pad]``, block
+    ``2 c + j`` = CTA ``c``'s partial of the ``j``-th tile its unit range touches (zeros where it touches one)."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    nwg, cta_n = cfg.compute_wgs, cfg.cta_n
+    tiles = np_ // cta_n
+    per, ctas = cfg.stream_k_units(tiles, kb)
+    total = tiles * kb
+    op_tr = _swizzled(plgpu, BLOCK_SIZE, jnp.float8_e4m3fn)
+    out_tr = _swizzled(plgpu, m_pad, jnp.float32)
+
+    if interpret is None:
+        as_layout = plgpu.layout_cast
+
+        def token_scales(xs_s):
+            return plgpu.load(xs_s.at[0], (), layout=plgpu.Layout.WGMMA.reduce(0))
+    else:
+        def as_layout(x, layout):
+            del layout
+            return x
+
+        def token_scales(xs_s):
+            return xs_s[0, :]
+
+    def body(w_g, x_g, xs_g, ws_g, o_g):
+        ci, wg = lax.axis_index("c"), lax.axis_index("wg")
+        u0 = ci * per
+        t0 = u0 // kb  # the tile the range starts in
+
+        def unit(k):  # step k of this CTA -> (tile, K block), clamped to the last unit past the end
+            u = jnp.minimum(u0 + k, total - 1)
+            return u // kb, u % kb
+
+        def step(idx, w_s, x_s, xs_s, accs):
+            (k,) = idx
+            t, b = unit(k)
+            live = (u0 + k < total).astype(jnp.float32)  # the last CTA's steps past the end add nothing
+            w = ws_g[(t * cta_n) // BLOCK_SIZE, b] * live
+            s = token_scales(xs_s) * w
+            second = (t != t0).astype(jnp.float32)
+
+            def mma(p_ref):
+                plgpu.wgmma(p_ref, w_s.at[pl.ds(wg * WG_ROWS, WG_ROWS)], plgpu.transpose_ref(x_s, (1, 0)))
+                return p_ref[...]
+
+            p = pl.run_scoped(mma, plgpu.ACC((WG_ROWS, m_pad), jnp.float32))
+            ps = p * lax.broadcast_in_dim(s, (WG_ROWS, m_pad), (1,))
+            acc0, acc1 = accs
+            return acc0 + ps * (1.0 - second), acc1 + ps * second
+
+        in_specs = [
+            plgpu.BlockSpec((cta_n, BLOCK_SIZE), lambda k: unit(k), transforms=op_tr),
+            plgpu.BlockSpec((m_pad, BLOCK_SIZE), lambda k: (0, unit(k)[1]), transforms=op_tr),
+            plgpu.BlockSpec((1, m_pad), lambda k: (unit(k)[1], 0)),
+        ]
+
+        @functools.partial(pl.run_scoped, o_s=plgpu.SMEM((2, nwg, WG_ROWS, m_pad), jnp.float32, transforms=out_tr),
+                           collective_axes="wg")
+        def _scope(o_s):
+            def epilogue(run):
+                z = as_layout(jnp.zeros((WG_ROWS, m_pad), jnp.float32), plgpu.Layout.WGMMA)
+                accs = run((z, z))
+                for j in range(2):
+                    o_s[j, wg] = accs[j]
+                plgpu.commit_smem()
+                for j in range(2):
+                    plgpu.copy_smem_to_gmem(o_s.at[j, wg], o_g.at[2 * ci + j, pl.ds(wg * WG_ROWS, WG_ROWS)])
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+            plgpu.emit_pipeline_warp_specialized(
+                step,
+                grid=(per,),
+                memory_registers=cfg.memory_registers,
+                in_specs=in_specs,
+                wg_axis="wg",
+                num_compute_wgs=nwg,
+                max_concurrent_steps=min(cfg.stages, per),
+                compute_context=epilogue,
+            )(w_g, x_g, xs_g)
+
+    return plgpu.kernel(
+        body,
+        out_type=jax.ShapeDtypeStruct((2 * ctas, cta_n, m_pad), jnp.float32),
+        grid=(ctas,),
+        grid_names=("c",),
+        num_threads=nwg + 1,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        interpret=interpret if interpret is not None else False,
+        kernel_name="fp8_decode_gemm_swapab_wgmma",
+    )
+
+
+def stream_k_gather(tiles: int, kb: int, per: int):
+    """Static ``[S, tiles]`` indices into stream-K's ``2 * ctas`` partial blocks (``2 * ctas`` = a zero block):
+    entry ``[j, t]`` is the ``j``-th CTA whose unit range (``per`` units from ``c * per``) touches tile ``t``."""
+    import numpy as np
+
+    ctas = -(-(tiles * kb) // per)
+    cols = []
+    for t in range(tiles):
+        first, last = (t * kb) // per, ((t + 1) * kb - 1) // per
+        cols.append([2 * c + (t - (c * per) // kb) for c in range(first, last + 1)])
+    depth = max(len(c) for c in cols)
+    return np.array([c + [2 * ctas] * (depth - len(c)) for c in cols], np.int32).T
+
+
 @functools.partial(jax.jit, static_argnames=("cfg", "interpret"))
 def _partials(xq, xs, wq, ws, *, cfg, interpret):
     m, _ = xq.shape
@@ -355,13 +525,21 @@ def _partials(xq, xs, wq, ws, *, cfg, interpret):
     kp = kb * BLOCK_SIZE
     m_pad = padded_tokens(m)
     np_ = -(-n // cfg.cta_n) * cfg.cta_n
-    call = _build(np_, m_pad, kb, cfg, _interpret_params(interpret))
-    return call(_pad_to(wq, (np_, kp)), _pad_to(xq, (m_pad, kp)), _pad_to(xs.T, (kb, m_pad)), ws)
+    args = (_pad_to(wq, (np_, kp)), _pad_to(xq, (m_pad, kp)), _pad_to(xs.T, (kb, m_pad)), ws)
+    if not cfg.stream_k_ctas:
+        return _build(np_, m_pad, kb, cfg, _interpret_params(interpret))(*args)
+    tiles = np_ // cfg.cta_n
+    per, _ = cfg.stream_k_units(tiles, kb)
+    blocks = _build_stream_k(np_, m_pad, kb, cfg, _interpret_params(interpret))(*args)
+    blocks = jnp.concatenate([blocks, jnp.zeros((1,) + blocks.shape[1:], blocks.dtype)])
+    idx = stream_k_gather(tiles, kb, per)                                      # [S, tiles]
+    return blocks[idx].reshape(idx.shape[0], np_, m_pad)                       # [S, N_pad, M_pad] as split-K
 
 
 def decode_w8a8_partials(xq: jax.Array, xs: jax.Array, wq: jax.Array, ws: jax.Array, *, interpret=False,
                          config: DecodeGemmConfig | None = None) -> jax.Array:
-    """The kernel's split-K partial products, transposed: float32 ``[splits, N_pad, M_pad]`` with
+    """The kernel's split-K partial products, transposed: float32 ``[splits, N_pad, M_pad]`` (stream-K: ``S``, the
+    most CTAs sharing a tile, blocks gathered from the CTAs' partials; zeros where fewer share it) with
     ``sum(partials, 0)[:N, :M].T`` the W8A8 product (:func:`decode_w8a8_matmul`). For a caller that fuses its own
     epilogue into the reduction (SwiGLU, residual).
 
@@ -375,7 +553,7 @@ def decode_w8a8_partials(xq: jax.Array, xs: jax.Array, wq: jax.Array, ws: jax.Ar
         cfg = tuned_config(n, kb * BLOCK_SIZE, m) if interpret is False else choose_config(n, kb * BLOCK_SIZE, m)
     else:
         cfg = config
-    cfg.validate(m_pad, kb)
+    cfg.validate(m_pad, kb, n)
     if not isinstance(interpret, bool):
         _interpret_params(interpret)
     return _partials(xq, xs.astype(jnp.float32), wq, ws.astype(jnp.float32), cfg=cfg, interpret=interpret)
@@ -412,7 +590,9 @@ def decode_w8a8_matmul(xq: jax.Array, xs: jax.Array, wq: jax.Array, ws: jax.Arra
 def _selftest_decode_gemm(interpret=False) -> None:
     """Self-test of the ``decode_gemm`` family (this kernel), run once on the GPU on first use: 5 tokens x
     ``[200, 300]`` e4m3 (ragged M, N and K) with one compute warpgroup and no split, and 1 token x ``[256, 640]``
-    with two warpgroups and split-K 5, each against the float64 product of the same e4m3 operands
+    with two warpgroups and split-K 5, and 3 tokens x ``[128, 640]`` by stream-K (2 one-warpgroup tiles x 5 K blocks
+    over 4 CTAs of 3 units: ranges that cross a tile, steps past the end, a tile of 3 CTAs and one of 2, so the
+    gather reads its zero block), each against the float64 product of the same e4m3 operands
     (:func:`fp8rl_jax.fp8.pallas_gemm.w8a8_reference`) to ``2**-10`` of the sum of |terms| (Hopper's FP8 wgmma keeps
     ~14 bits inside a K block; :data:`fp8rl_jax.fp8.mosaic_gemm.SELFTEST_RTOL`).
 
@@ -424,7 +604,8 @@ def _selftest_decode_gemm(interpret=False) -> None:
     from fp8rl_jax.fp8.pallas_gemm import selftest_operands, w8a8_reference
 
     for (m, n, k, seed), cfg in (((5, 200, 300, 1), DecodeGemmConfig(compute_wgs=1, stages=3, splits=1)),
-                                 ((1, 256, 640, 2), DecodeGemmConfig(compute_wgs=2, stages=4, splits=5))):
+                                 ((1, 256, 640, 2), DecodeGemmConfig(compute_wgs=2, stages=4, splits=5)),
+                                 ((3, 128, 640, 3), DecodeGemmConfig(compute_wgs=1, stages=3, stream_k_ctas=4))):
         _, xq, xs, wq, ws = selftest_operands(m, n, k, seed=seed)
         y = decode_w8a8_matmul(*(jnp.asarray(a) for a in (xq, xs, wq, ws)), config=cfg, interpret=interpret)
         ref, bound = w8a8_reference(xq, xs, wq, ws)
