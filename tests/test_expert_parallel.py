@@ -21,6 +21,8 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 MESHES = ("expert=2", "expert=8", "fsdp=2,expert=4")
 #: meshes on which the ragged lowering's layout runs with an emulated ragged all-to-all
 RAGGED_MESHES = ("fsdp=2,expert=4",)
+#: token rounds (moe.chunk_tokens): (mesh, all-to-all lowering, tokens per round)
+ROUND_CASES = (("expert=2", "static", 3), ("fsdp=2,expert=4", "ragged", 1))
 E, K_TOP, HID, INTER = 8, 2, 64, 32
 #: float32: only the grouped GEMM's tiling changes (which rows share a tile), so each output is the same sum in a
 #: possibly different blocking of one dot: a few float32 roundings, far below 1e-6 relative
@@ -175,6 +177,21 @@ def _worker_blocks() -> dict:
             out[f"{shape}|{impl}|{name}"] = {"y": _rel(y, ref[name][0]),
                                       "grad": max(_rel(g[k], ref[name][1][k]) for k in ref[name][1]),
                                       "grad_keys": sorted(g) == sorted(ref[name][1])}
+    # token rounds (moe.chunk_tokens): expert=2 gives each device 8 of the 16 padded tokens, rounds of at most 3
+    # make three rounds of 3, the last with one padding token (static buffers); fsdp=2,expert=4 gives each device 2,
+    # rounds of 1 (the ragged layout, two token axes)
+    for shape, impl, chunk in ROUND_CASES:
+        m = nnx.clone(blk)
+        assert set_expert_parallel(m, make_mesh(shape, platform="cpu"), "all_to_all", all_to_all=impl,
+                                   chunk_tokens=chunk)
+        for name, ids in routings.items():
+            rep = None if ids is None else jnp.asarray(ids.reshape(3, 5, K_TOP), jnp.int32)
+            y = np.asarray(fwd_jit(m, x, rep))
+            g = {k: np.asarray(v) for k, v in grads_jit(m, x, rep).items()}
+            out[f"{shape}|{impl},chunk{chunk}|{name}"] = {
+                "y": _rel(y, ref[name][0]), "grad": max(_rel(g[k], ref[name][1][k]) for k in ref[name][1]),
+                "grad_keys": sorted(g) == sorted(ref[name][1])}
+    out["chunk_temp_bytes"] = _chunk_temp_bytes(blk)
     try:
         set_expert_parallel(nnx.clone(blk), make_mesh("expert=3", platform="cpu"))
         out["nondivisible_error"] = ""
@@ -196,6 +213,32 @@ def _worker_blocks() -> dict:
         mb = nnx.clone(b)
         set_expert_parallel(mb, make_mesh("fsdp=2,expert=4", platform="cpu"))
         out[f"{prec}|{dtype}"] = _rel(np.asarray(fwd_jit(mb, x.astype(dtype), None), np.float32), r)
+    return out
+
+
+def _chunk_temp_bytes(blk, tokens_per_device: int = 256, chunk: int = 32) -> dict:
+    """XLA:CPU's temporary bytes of the block's gradient program on ``expert=8`` (static buffers, whose send and
+    receive blocks hold ``e * R`` rows), in one round and in rounds of ``chunk`` tokens."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from fp8rl_jax.models.moe import set_expert_parallel
+    from fp8rl_jax.parallel import make_mesh
+
+    mesh = make_mesh("expert=8", platform="cpu")
+    x = jax.ShapeDtypeStruct((8 * tokens_per_device, HID), jnp.float32)
+    out = {}
+    for c in (0, chunk):
+        m = nnx.clone(blk)
+        set_expert_parallel(m, mesh, "all_to_all", all_to_all="static", chunk_tokens=c)
+        gdef, state = nnx.split(m)
+
+        def loss(st, x):
+            return jnp.sum(nnx.merge(gdef, st).forward(x, None)[0] ** 2)
+
+        comp = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(state, x).compile()
+        out[str(c)] = int(comp.memory_analysis().temp_size_in_bytes)
     return out
 
 
@@ -434,6 +477,23 @@ def test_replicated_block_matches_float64_at_the_adversarial_routings(blocks):
         assert blocks[f"f64|{name}"] <= 1e-5, (name, blocks[f"f64|{name}"])
 
 
+@pytest.mark.parametrize("shape,impl,chunk", ROUND_CASES)
+@pytest.mark.parametrize("routing", ["router", "all_to_expert_0", "experts_without_tokens", "reversed"])
+def test_token_rounds_equal_one_device(blocks, shape, impl, chunk, routing):
+    """moe.chunk_tokens: the layer in rounds (expert=2: 8 tokens per device in 3 rounds of 3, the last padded;
+    fsdp=2,expert=4 ragged: 2 rounds of 1) equals one device."""
+    got = blocks[f"{shape}|{impl},chunk{chunk}|{routing}"]
+    assert got["grad_keys"], got
+    assert got["y"] <= F32_RTOL and got["grad"] <= F32_RTOL, got
+
+
+def test_token_rounds_bound_the_dispatch_memory(blocks):
+    """256 tokens per device on expert=8 (top-2: 512 rows, static buffers of 8 x 512 rows): rounds of 32 tokens
+    cut the gradient program's temporaries by at least 4x (the buffers alone shrink 8x)."""
+    t = blocks["chunk_temp_bytes"]
+    assert t["32"] * 4 <= t["0"], t
+
+
 def test_one_token_on_eight_devices(blocks):
     assert blocks["one_token"] <= F32_RTOL, blocks["one_token"]
 
@@ -505,6 +565,10 @@ def test_expert_parallel_settings_errors():
         MoeDispatchConfig(all_to_all="nccl")
     with pytest.raises(ValueError, match="increasing"):
         MoeDispatchConfig(capacity_factors=(2.0, 1.0))
+    with pytest.raises(ValueError, match="chunk_tokens"):
+        MoeDispatchConfig(chunk_tokens=-1)
+    with pytest.raises(ValueError, match="chunk_tokens"):
+        expert_parallel(jax.make_mesh((1, 1, 1, 1), ("data", "fsdp", "tensor", "expert")), 8, chunk_tokens=2.5)
     assert capacities(10, 4, (1.25, 2.0)) == (13, 20, 40)
     assert capacities(10, 2, (1.25, 2.0)) == (13, 20)
     assert capacities(0, 4, (1.25,)) == (0,)
@@ -522,10 +586,10 @@ from fp8rl_jax.models.moe import SparseMoeBlock, set_expert_parallel, tiny_qwen3
 mesh = make_mesh("expert=8", devices=h100_topology(8).devices)
 cfg = tiny_qwen3_moe_config(256, hidden_size=256, num_experts=16, num_experts_per_tok=4, moe_intermediate_size=128)
 out = {}
-for prec in ("dense", "fp8"):
+for name, prec, chunk in (("dense", "dense", None), ("fp8", "fp8", None), ("dense_rounds", "dense", 4)):
     blk = nnx.eval_shape(lambda: SparseMoeBlock(cfg, linear_precision=prec, param_dtype=jnp.bfloat16,
                                                 dtype=jnp.bfloat16, rngs=nnx.Rngs(0)))
-    set_expert_parallel(blk, mesh)
+    set_expert_parallel(blk, mesh, chunk_tokens=chunk)  # rounds of 4 of the 8 tokens per device: a scan of 2
     gdef, state = nnx.split(blk)
     def shard(path, v):
         spec = P("expert") if "experts" in ".".join(map(str, path)) else P()
@@ -536,9 +600,10 @@ for prec in ("dense", "fp8"):
         return jnp.sum(nnx.merge(gdef, st)(x).astype(jnp.float32) ** 2)
     fn = jax.grad(loss, argnums=(0, 1)) if prec == "dense" else loss
     hlo = jax.jit(fn).lower(state, x).compile().as_text()
-    out[prec] = {op: len(re.findall(rf"\b{op}(-start)?\(", hlo)) for op in ("ragged-all-to-all", "all-to-all", "all-gather")}
+    out[name] = {op: len(re.findall(rf"\b{op}(-start)?\(", hlo)) for op in ("ragged-all-to-all", "all-to-all", "all-gather")}
+    out[name]["while_loops"] = len(re.findall(r"\bwhile\(", hlo))
     gathers = re.findall(r"=\s*\(?([a-z0-9]+)\[([0-9,]*)\][^=]*?\ball-gather(?:-start)?\(", hlo)
-    out[prec]["full_stack_gathers"] = [f"{d}[{s}]" for d, s in gathers if d[0] in "fb" and s and s.split(",")[0] == "16"]
+    out[name]["full_stack_gathers"] = [f"{d}[{s}]" for d, s in gathers if d[0] in "fb" and s and s.split(",")[0] == "16"]
 print(json.dumps(out))
 """
 
@@ -546,13 +611,17 @@ print(json.dumps(out))
 def test_ragged_all_to_all_dispatch_compiles_for_h100():
     """Deviceless sm_90a compile in .venv-cuda (8 abstract H100s, ``expert=8``): the CUDA lowering of the dispatch
     is ``ragged-all-to-all`` (forward and, for bf16, the backward's transposes), the FP8 experts compile inside it,
-    and no expert stack is gathered over ``expert``."""
+    token rounds compile as a loop around it, and no expert stack is gathered over ``expert``."""
     from conftest import run_in_cuda_venv
 
     res = run_in_cuda_venv(_CUDA_COMPILE)
     assert res["dense"]["ragged-all-to-all"] >= 4, res  # dispatch + return forward, their transposes backward
     assert res["fp8"]["ragged-all-to-all"] >= 2, res
     assert res["dense"]["full_stack_gathers"] == [] and res["fp8"]["full_stack_gathers"] == [], res
+    # token rounds (moe.chunk_tokens) lower for CUDA as a loop around the same ragged dispatch, forward and backward
+    assert res["dense_rounds"]["ragged-all-to-all"] >= 4, res
+    assert res["dense_rounds"]["while_loops"] > res["dense"]["while_loops"], res  # the rounds' loops
+    assert res["dense_rounds"]["full_stack_gathers"] == [], res
 
 
 if __name__ == "__main__":

@@ -117,3 +117,52 @@ def test_driver_reads_the_model_config_without_tensors(smollm2_path, tiny_dir, m
     assert load_model_config("smollm2-135m-instruct") == want[smollm2_path]
     with pytest.raises(FileNotFoundError, match="nowhere"):
         load_model_config(str(tiny_dir) + "/nowhere")
+
+
+@pytest.mark.slow
+def test_multihost_launch_with_the_expert_axis_across_processes(tmp_path, tmp_path_factory, monkeypatch):
+    """Issue 38: ``launch_multihost`` starts 2 JAX processes (``jax.distributed``, one CPU device each) whose train
+    step runs a tiny Qwen3-MoE with ``mesh.shape = "expert=2"``: each process owns 2 of the 4 experts and the routed
+    rows cross the processes by all-to-all. Reference: the same config in this process on one device (no expert
+    parallelism); the two processes' rollouts are the one-process rollout split by rows (the global rows' noise), so
+    rewards are equal and losses and gradient norms equal to float32 rounding."""
+    import json
+
+    from fp8rl_jax.models.moe import write_tiny_qwen3_moe
+    from fp8rl_jax.trainer import TrainConfig
+    from fp8rl_jax.trainer.run import train
+    from rollout_bridge.ray_launch import launch_multihost
+
+    model = str(tmp_path / "moe")
+    write_tiny_qwen3_moe(model, num_experts=4, num_experts_per_tok=2, hidden_size=64, moe_intermediate_size=32)
+    tests_dir = os.path.dirname(os.path.abspath(__file__))
+    for k in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH", "RAY_ADDRESS", "XLA_FLAGS"):
+        monkeypatch.delenv(k, raising=False)  # no XLA_FLAGS: one CPU device per process
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([tests_dir, os.environ.get("PYTHONPATH", "")]).strip(os.pathsep))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+    def config(name, mesh):  # the reward: test_checkpoint.text_reward, imported by path in every process
+        return TrainConfig(output_dir=str(tmp_path / name), model=model, num_steps=2, prompts_per_step=2,
+                           samples_per_prompt=2, max_tokens=4, rollout_precision="float32", learning_rate=1e-2,
+                           checkpoint_every=1, plots=False, progress_bar=False, mesh=mesh,
+                           reward_fn="test_checkpoint.text_reward", reward_timeout_s=None)
+
+    ref = train(config("one", None))
+    temp_dir = str(tmp_path_factory.mktemp("r"))
+    try:
+        two = launch_multihost(config("two", "expert=2"), num_processes=2, cpus_per_process=1,
+                               ray_init_kwargs=dict(num_cpus=2, _temp_dir=temp_dir, include_dashboard=False))
+    finally:
+        ray.shutdown()
+    summary = json.loads((tmp_path / "two" / "summary.json").read_text())
+    assert summary["processes"] == 2 and summary["devices"] == 2, summary
+    assert summary["expert_parallel"] and summary["mesh"]["expert"] == 2, summary
+    assert not json.loads((tmp_path / "one" / "summary.json").read_text())["expert_parallel"]
+    assert [m["step"] for m in two] == [1, 2] == [m["step"] for m in ref]
+    assert any(m["actor/grad_norm"] > 0 for m in ref), "no reward signal: the comparison would be vacuous"
+    for m1, m2 in zip(ref, two):
+        assert m1["reward/mean"] == m2["reward/mean"]
+        np.testing.assert_allclose(m2["actor/loss"], m1["actor/loss"], rtol=1e-4, atol=1e-6)
+        np.testing.assert_allclose(m2["actor/grad_norm"], m1["actor/grad_norm"], rtol=1e-4)
+    ckpts = tmp_path / "two" / "checkpoints"
+    assert sorted(p.name for p in ckpts.iterdir() if p.name.isdigit()) == ["1", "2"]

@@ -38,6 +38,20 @@ that way: XLA allocates a conditional's temporaries for its largest branch, and 
 (a chunked last branch was tried: without remat its saved residuals are the same and the scan's stacking adds more,
 117 against 81 GiB in ``benchmarks/ep_mesh_model.py``'s compile).
 
+**Memory bounded by token rounds.** What bounds the memory is the number of tokens a device dispatches at once:
+with ``chunk_tokens = C`` (``moe.chunk_tokens``, :data:`DEFAULT_CHUNK_TOKENS`) a device with ``T > C`` local tokens
+runs the layer in ``n = ceil(T / C)`` rounds of ``ceil(T / n) <= C`` tokens (a :func:`jax.lax.scan`; the last
+round's tail, under ``n`` tokens, is padding that routes nowhere), each a whole dispatch / local experts / return / combine of ``C`` tokens, so every buffer above holds
+``e * C * k`` rows instead of ``e * T * k``. Each round's body is rematerialised (:func:`jax.checkpoint`): the scan
+keeps only the rounds' inputs for the backward, and one round's temporaries live at a time (forward and backward).
+Still dropless: a round sends every row it has. The forward's wire bytes are the same, plus one all-to-all
+latency per round (``~(e-1)`` peer messages, small against a round's ``C k H`` bytes at ``C`` in the thousands). The
+cost is in the backward: a rematerialised round runs its dispatch, local experts and return again, so with rounds
+the MoE layer's forward runs once more in training (twice with ``remat_policy="full"`` around the layer: three
+forwards' all-to-alls and expert GEMMs instead of two), the price of holding one round's buffers instead of ``T``
+tokens'. Below ``C`` tokens per device (decode, short sequences) nothing changes. Each token meets the same expert weights and the same combine, so the result is the unchunked one up to
+the grouped GEMM's tiling, as above; the expert weights' gradients add the rounds' contributions in round order.
+
 **Exactness.** Each routed row meets the same expert weights in a row-wise product, and the combine is the replicated
 path's; only the grouped GEMM's tiling (rows per tile, which rows share a tile) differs. In float32 the results
 equal the ``expert = 1`` path to rounding of the products' summation order inside one dot (1e-6 relative); bf16 and
@@ -48,6 +62,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from typing import Callable, Sequence
 
 import jax
@@ -64,6 +79,9 @@ DISPATCHES = ("auto", "all_to_all", "replicated")
 ALL_TO_ALL_IMPLS = ("auto", "static", "ragged")
 #: receive capacities tried before the dropless ``e * R`` (as multiples of the local rows ``R``)
 DEFAULT_CAPACITY_FACTORS = (1.25, 2.0)
+#: tokens a device dispatches per round (see "Memory bounded by token rounds"; 0: all in one round). At Qwen3-30B-A3B
+#: sizes (k = 8, H = 2048, bf16) one round's receive buffer on ``expert = 8`` is 8 * 4096 * 8 * 2048 * 2 B = 1 GiB.
+DEFAULT_CHUNK_TOKENS = 4096
 #: the mesh axes a token batch is split over (:data:`fp8rl_jax.parallel.rules.LOGICAL_RULES` ``batch``)
 TOKEN_AXES = ("data", "fsdp", "expert")
 
@@ -86,6 +104,7 @@ class ExpertParallel:
         ``axis`` always among them).
       all_to_all: one of :data:`ALL_TO_ALL_IMPLS`.
       capacity_factors: see the module docstring (increasing, > 0).
+      chunk_tokens: tokens a device dispatches per round (0: all at once); see the module docstring.
     """
 
     mesh: Mesh
@@ -94,6 +113,7 @@ class ExpertParallel:
     token_axes: tuple[str, ...] = ("expert",)
     all_to_all: str = "auto"
     capacity_factors: tuple[float, ...] = DEFAULT_CAPACITY_FACTORS
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS
 
     @property
     def size(self) -> int:
@@ -113,7 +133,7 @@ class ExpertParallel:
 
 def expert_parallel(mesh: Mesh | None, num_experts: int, dispatch: str = "auto", *, all_to_all: str = "auto",
                     capacity_factors: Sequence[float] = DEFAULT_CAPACITY_FACTORS,
-                    axis: str = "expert") -> ExpertParallel | None:
+                    chunk_tokens: int = DEFAULT_CHUNK_TOKENS, axis: str = "expert") -> ExpertParallel | None:
     """The :class:`ExpertParallel` of a mesh, or None where the layer runs replicated.
 
     Args:
@@ -123,6 +143,7 @@ def expert_parallel(mesh: Mesh | None, num_experts: int, dispatch: str = "auto",
         configs), or ``"replicated"`` (never: the ``expert`` axis shards the stacks' storage only).
       all_to_all: one of :data:`ALL_TO_ALL_IMPLS`.
       capacity_factors: receive capacities (multiples of the local rows) tried before the dropless one.
+      chunk_tokens: tokens a device dispatches per round, ``>= 0`` (0: all at once; see the module docstring).
       axis: the expert mesh axis.
 
     Returns:
@@ -130,7 +151,7 @@ def expert_parallel(mesh: Mesh | None, num_experts: int, dispatch: str = "auto",
 
     Raises:
       ValueError: an unknown ``dispatch`` / ``all_to_all``; ``E`` not divisible by the axis size (names both);
-        capacity factors that are not positive and increasing.
+        capacity factors that are not positive and increasing; a ``chunk_tokens`` that is not an integer >= 0.
     """
     if dispatch not in DISPATCHES:
         raise ValueError(f"moe dispatch={dispatch!r} is not one of {DISPATCHES}")
@@ -139,6 +160,8 @@ def expert_parallel(mesh: Mesh | None, num_experts: int, dispatch: str = "auto",
     f = tuple(float(x) for x in capacity_factors)
     if any(x <= 0 for x in f) or list(f) != sorted(set(f)):
         raise ValueError(f"capacity_factors must be positive and increasing, got {capacity_factors}")
+    if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, numbers.Integral) or chunk_tokens < 0:
+        raise ValueError(f"chunk_tokens must be an integer >= 0 (0: one round), got {chunk_tokens!r}")
     if mesh is None or dispatch == "replicated" or int(mesh.shape.get(axis, 1)) == 1:
         return None
     e = int(mesh.shape[axis])
@@ -147,7 +170,7 @@ def expert_parallel(mesh: Mesh | None, num_experts: int, dispatch: str = "auto",
                          f"experts over {axis}={e} (choose {axis} among the divisors of {num_experts}, or "
                          f"moe dispatch='replicated')")
     token_axes = tuple(a for a in TOKEN_AXES if int(mesh.shape.get(a, 1)) > 1 or a == axis)
-    return ExpertParallel(mesh, int(num_experts), axis, token_axes, all_to_all, f)
+    return ExpertParallel(mesh, int(num_experts), axis, token_axes, all_to_all, f, int(chunk_tokens))
 
 
 def capacities(rows: int, e: int, factors: Sequence[float]) -> tuple[int, ...]:
@@ -294,6 +317,22 @@ def ep_experts(ep: ExpertParallel, run_local: Callable, expert_state, xt: jax.Ar
     state_spec = jax.tree.map(lambda _: PartitionSpec(ep.axis), expert_state)
 
     def body(impl, st, x, w, i, v):
+        """One device's ``T_local`` tokens, in rounds of ``chunk_tokens`` when there are more."""
+        tl, c = x.shape[0], ep.chunk_tokens
+        if not c or tl <= c:
+            return round_(impl, st, x, w, i, v)
+        nc = -(-tl // c)
+        c = -(-tl // nc)  # equal rounds of at most chunk_tokens: the padding is under one token per round
+        pad = nc * c - tl
+        if pad:  # the last round's tail: padding that routes nowhere (valid False)
+            x, w, i = (jnp.concatenate([a, jnp.zeros((pad,) + a.shape[1:], a.dtype)]) for a in (x, w, i))
+            v = jnp.concatenate([v, jnp.zeros((pad,), v.dtype)])
+        one = jax.checkpoint(lambda s_, xs: round_(impl, s_, *xs), prevent_cse=False)
+        _, ys = jax.lax.scan(lambda carry, xs: (carry, one(st, xs)), None,
+                             tuple(a.reshape((nc, c) + a.shape[1:]) for a in (x, w, i, v)))
+        return ys.reshape((nc * c,) + ys.shape[2:])[:tl]
+
+    def round_(impl, st, x, w, i, v):
         r = x.shape[0] * k
         lay = SendLayout(i, v, ep.num_experts, e)
         rows = x[lay.order // k]                                                   # [R, H] sorted by expert
@@ -338,6 +377,6 @@ def collective_sizes_per_layer(tokens: int, top_k: int, hidden: int, e: int, ite
     return {"static": 2.0 * (e - 1) * r * hidden * itemsize, "ragged": 2.0 * (e - 1) / e * r * hidden * itemsize}
 
 
-__all__ = ["DISPATCHES", "ALL_TO_ALL_IMPLS", "DEFAULT_CAPACITY_FACTORS", "ExpertParallel", "expert_parallel",
+__all__ = ["DISPATCHES", "ALL_TO_ALL_IMPLS", "DEFAULT_CAPACITY_FACTORS", "DEFAULT_CHUNK_TOKENS", "ExpertParallel", "expert_parallel",
            "capacities", "SendLayout", "dispatch_rows", "return_rows", "run_local_bounded", "ep_experts",
            "collective_sizes_per_layer"]

@@ -543,7 +543,7 @@ for _name in ("_run_experts", "_xla_experts", "_training_tiled", "_grouped_impl"
 
 
 def set_expert_parallel(model: nnx.Module, mesh, dispatch: str = "auto", *, all_to_all: str = "auto",
-                        capacity_factors=None) -> bool:
+                        capacity_factors=None, chunk_tokens: int | None = None) -> bool:
     """Set how every :class:`SparseMoeBlock` of ``model`` dispatches its routed rows over ``mesh``'s ``expert`` axis.
 
     Args:
@@ -554,6 +554,8 @@ def set_expert_parallel(model: nnx.Module, mesh, dispatch: str = "auto", *, all_
         tokens; the ``expert`` axis shards storage only).
       all_to_all: ``"auto"`` (ragged where lowered for CUDA, static buffers elsewhere), ``"static"``, ``"ragged"``.
       capacity_factors: receive capacities tried before the dropless one (None: the module default).
+      chunk_tokens: tokens a device dispatches per all-to-all round (None: the module default; 0: one round), which
+        bounds the dispatch buffers (:mod:`fp8rl_jax.models.expert_parallel`, "Memory bounded by token rounds").
 
     Returns:
       whether expert parallelism is on.
@@ -566,6 +568,7 @@ def set_expert_parallel(model: nnx.Module, mesh, dispatch: str = "auto", *, all_
     for _, mod in nnx.iter_modules(model):
         if isinstance(mod, SparseMoeBlock):
             kw = {} if capacity_factors is None else {"capacity_factors": tuple(capacity_factors)}
+            kw |= {} if chunk_tokens is None else {"chunk_tokens": chunk_tokens}
             mod.expert_parallel = make_expert_parallel(mesh, mod.num_experts, dispatch, all_to_all=all_to_all, **kw)
             on = on or mod.expert_parallel is not None
     return on

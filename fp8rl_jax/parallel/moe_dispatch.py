@@ -1,5 +1,5 @@
 """Gin settings of the MoE layers' expert-parallel dispatch (``moe.dispatch``, ``moe.all_to_all``,
-``moe.capacity_factors``): read once by the trainer and its embedded engine, applied by
+``moe.capacity_factors``, ``moe.chunk_tokens``): read once by the trainer and its embedded engine, applied by
 :func:`fp8rl_jax.models.moe.set_expert_parallel` (the algorithm: :mod:`fp8rl_jax.models.expert_parallel`)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import dataclasses
 
 import gin
 
-from fp8rl_jax.models.expert_parallel import ALL_TO_ALL_IMPLS, DEFAULT_CAPACITY_FACTORS, DISPATCHES
+from fp8rl_jax.models.expert_parallel import ALL_TO_ALL_IMPLS, DEFAULT_CAPACITY_FACTORS, DEFAULT_CHUNK_TOKENS, DISPATCHES
 
 
 @gin.configurable("moe")
@@ -24,6 +24,8 @@ class MoeDispatchConfig:
         elsewhere: XLA:CPU has no ragged all-to-all), ``"static"`` or ``"ragged"``.
       capacity_factors: receive capacities (multiples of a device's routed rows) tried before the dropless one;
         they set the work, never the result.
+      chunk_tokens: tokens a device dispatches per all-to-all round (0: all at once). It bounds the dispatch
+        buffers to ``expert * chunk_tokens * top_k`` rows per device (dropless; the result does not depend on it).
 
     Raises:
       ValueError: an unknown value (names the valid ones), at construction.
@@ -32,6 +34,7 @@ class MoeDispatchConfig:
     dispatch: str = "auto"
     all_to_all: str = "auto"
     capacity_factors: tuple = DEFAULT_CAPACITY_FACTORS
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS
 
     def __post_init__(self):
         if self.dispatch not in DISPATCHES:
@@ -42,7 +45,11 @@ class MoeDispatchConfig:
         if not f or any(x <= 0 for x in f) or list(f) != sorted(set(f)):
             raise ValueError(f"moe.capacity_factors must be positive and increasing, got {self.capacity_factors}")
         object.__setattr__(self, "capacity_factors", f)
+        c = self.chunk_tokens
+        if isinstance(c, bool) or not isinstance(c, int) or c < 0:
+            raise ValueError(f"moe.chunk_tokens must be an integer >= 0 (0: one all-to-all round), got {c!r}")
 
     def kwargs(self) -> dict:
         """Keyword arguments of :func:`fp8rl_jax.models.moe.set_expert_parallel` (after ``model, mesh``)."""
-        return {"dispatch": self.dispatch, "all_to_all": self.all_to_all, "capacity_factors": self.capacity_factors}
+        return {"dispatch": self.dispatch, "all_to_all": self.all_to_all, "capacity_factors": self.capacity_factors,
+                "chunk_tokens": self.chunk_tokens}

@@ -153,7 +153,7 @@ class JaxRolloutEngine:
       moe_dispatch: on a ``mesh`` with ``expert > 1``: ``"auto"`` / ``"all_to_all"`` (expert parallelism, each
         device runs its ``E / expert`` experts on the rows sent to it, :mod:`fp8rl_jax.models.expert_parallel`) or
         ``"replicated"``; or a dict of :func:`fp8rl_jax.models.moe.set_expert_parallel`'s keywords (``dispatch``,
-        ``all_to_all``, ``capacity_factors``: :meth:`fp8rl_jax.parallel.moe_dispatch.MoeDispatchConfig.kwargs`).
+        ``all_to_all``, ``capacity_factors``, ``chunk_tokens``: :meth:`fp8rl_jax.parallel.moe_dispatch.MoeDispatchConfig.kwargs`).
 
     Raises:
       ValueError: unknown precision or kv_cache_dtype, ``moe_dispatch`` or an ``expert`` axis that does not divide

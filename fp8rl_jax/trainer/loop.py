@@ -161,6 +161,10 @@ class RLTrainer(RolloutProducerMixin, StalenessMixin):
                       f"{self.sharding_plan.summary()}", flush=True)
         del params
         configure_train_model(self.model, config, model_cfg, self.mesh)
+        #: whether the MoE layers dispatch their routed rows by all-to-all over the mesh's ``expert`` axis
+        #: (:mod:`fp8rl_jax.models.expert_parallel`; False for dense models and ``expert = 1``)
+        self.expert_parallel = any(getattr(m, "expert_parallel", None) is not None
+                                   for _, m in nnx.iter_modules(self.model))
         #: the frozen initial policy of the KL term (LossConfig.use_kl_loss), else None: built before any update and
         #: never checkpointed (rebuilt from train.model on resume; fp8rl_jax.trainer.reference)
         self.reference = None
@@ -390,7 +394,8 @@ class RLTrainer(RolloutProducerMixin, StalenessMixin):
         rid = np.full((len(probe.continuation_ids), t), self.pad_id, np.int32)
         for i, c in enumerate(probe.continuation_ids):
             rid[i, :len(c)] = c
-        ref = np.asarray(self._logprobs(self.model, jnp.asarray(pid), jnp.asarray(pmask), jnp.asarray(rid), 1.0))
+        # to_host: on a multi-process mesh whose token axes span the processes (expert parallelism) the rows are sharded
+        ref = to_host(self._logprobs(self.model, jnp.asarray(pid), jnp.asarray(pmask), jnp.asarray(rid), 1.0))
         sent = None
         if self.kv_cache_dtype == "fp8_e4m3":
             sent = np.stack([np.asarray(self.kv_scales.k_scale), np.asarray(self.kv_scales.v_scale)], 1)

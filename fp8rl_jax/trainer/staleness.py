@@ -17,6 +17,7 @@ from flax import nnx
 
 from fp8rl_jax import objectives
 from fp8rl_jax.trainer.pipeline import RolloutJob, RolloutVersionError, staleness_metrics
+from fp8rl_jax.trainer.distributed import to_host
 
 
 class StalenessMixin:
@@ -77,9 +78,10 @@ class StalenessMixin:
         cfg = self.cfg
         tv = np.asarray(job.token_versions)
         mask = np.asarray(batch["response_mask"]) > 0
-        now = self._logprobs(self.model, batch["prompt_ids"], batch["prompt_mask"], batch["response_ids"],
-                             cfg.temperature, batch.get("rollout_routing") if cfg.routing_replay else None)
-        then = np.array(now)
+        # to_host: on a multi-process mesh whose token axes span the processes the rows are sharded across them
+        now = to_host(self._logprobs(self.model, batch["prompt_ids"], batch["prompt_mask"], batch["response_ids"],
+                                     cfg.temperature, batch.get("rollout_routing") if cfg.routing_replay else None))
+        then = now.copy()
         if self._shadow_model is None:
             self._shadow_model = nnx.clone(self.model)
         for v in sorted(set(tv[mask].tolist())):
@@ -88,12 +90,12 @@ class StalenessMixin:
             if v not in self._version_params:  # a batch carried over a resume: its version's params are gone
                 return {}
             nnx.update(self._shadow_model, self._version_params[v])
-            lp = np.asarray(self._logprobs(self._shadow_model, batch["prompt_ids"], batch["prompt_mask"],
-                                           batch["response_ids"], cfg.temperature,
-                                           batch.get("rollout_routing") if cfg.routing_replay else None))
+            lp = to_host(self._logprobs(self._shadow_model, batch["prompt_ids"], batch["prompt_mask"],
+                                        batch["response_ids"], cfg.temperature,
+                                        batch.get("rollout_routing") if cfg.routing_replay else None))
             then = np.where(tv == v, lp, then)
         m = jnp.asarray(mask, jnp.float32)
         prec = objectives.rollout_corr_metrics(jnp.asarray(then), batch["rollout_logprobs"], m)
-        lag = objectives.rollout_corr_metrics(now, jnp.asarray(then), m)
+        lag = objectives.rollout_corr_metrics(jnp.asarray(now), jnp.asarray(then), m)
         return {"async/k3_precision": float(prec["rollout_corr/k3_kl"]),
                 "async/k3_policy_lag": float(lag["rollout_corr/k3_kl"])}
