@@ -48,7 +48,8 @@ train: setup
 	$(PY) scripts/train.py --gin_file=$(GIN_FILE) --output_dir=$(OUTPUT_DIR) --resume=auto $(GIN_PARAMS)
 
 # The test suite on two pytest-xdist workers (`-n 2 --dist loadfile`: a test file stays on one worker, so its module
-# fixtures are built once; xdist hands out the files with the most tests first) and, side by side with them, one
+# fixtures are built once; `--no-loadscope-reorder`: the files go out in tests/conftest.py's order, the slowest
+# first) and, side by side with them, one
 # lane of: the CUDA environment's set-up, the GPU programs compiled for an H100 (sm_90a) on this CPU, then the example
 # notebooks executed in fresh kernels (tests/test_notebooks.py -m notebooks). The lane compiles every program of
 # `make compile-h100` but: the two 16-device 30B-A3B train steps (~3 min; benchmarks/ep_mesh_model.py --compile),
@@ -76,7 +77,7 @@ test: setup-test
 	   $(PY) -m pytest -q -ra -m notebooks tests/test_notebooks.py > $(H100_COMPILE_DIR)/notebooks.log 2>&1; \
 	   echo $$? > $(H100_COMPILE_DIR)/notebooks.rc ) & lane_pid=$$!; \
 	trap 'pkill -P $$lane_pid 2>/dev/null; kill $$lane_pid 2>/dev/null' INT TERM; \
-	$(PY) -m pytest -q -ra --durations=25 -n 2 --dist loadfile -m "not notebooks" tests; tests_rc=$$?; \
+	$(PY) -m pytest -q -ra --durations=25 -n 2 --dist loadfile --no-loadscope-reorder -m "not notebooks" tests; tests_rc=$$?; \
 	wait $$lane_pid; compile_rc=$$(cat $(H100_COMPILE_DIR)/compile.rc); nb_rc=$$(cat $(H100_COMPILE_DIR)/notebooks.rc); \
 	rm -rf $(TEST_XLA_CACHE); \
 	echo "== make setup-cuda, scripts/compile_h100.py (H100 compile of every GPU program; exit $$compile_rc)"; \

@@ -89,15 +89,16 @@ def _fatal_signals_to_faulthandler():
 
 
 # The slowest test files, slowest first (the 2-core CI machine, 2026-11-27/28 runs: `--durations` and a per-test
-# log), collected first: a plain `pytest` run starts with them. Under `make test` (two pytest-xdist workers,
-# `--dist loadfile`) xdist re-sorts the files by their number of tests, most first; this order then decides among
-# files with as many tests (measured that way: 2026-11-28, 65m44s; `--no-loadscope-reorder` would keep this order
-# throughout, not yet measured). A stale list costs balance, never correctness.
+# log), collected first. Under `make test` (two pytest-xdist workers, `--dist loadfile --no-loadscope-reorder`) the
+# workers take the files in this order, so the longest start first and the short ones fill in at the end (longest
+# processing time first); without `--no-loadscope-reorder` xdist would hand out the files with the most tests first,
+# which ran the two-test Ray and colocated files last, side by side (the 2026-11-28 timing). A stale list costs
+# balance, never correctness.
 SLOW_FILES_FIRST = (
-    "test_expert_parallel.py", "test_mesh.py", "test_vllm_bridge.py", "test_engine.py", "test_engine_mesh.py",
-    "test_fused_projections.py", "test_colocated.py", "test_train_and_errors.py", "test_async_rl.py",
-    "test_wgmma_paths.py", "test_fp8_attention_kernel.py", "test_routing_replay.py", "test_kl_entropy.py",
-    "test_fp8_training.py", "test_ray_launch.py", "test_sync_verify.py", "test_multihost.py", "test_vllm_tp_sync.py",
+    "test_mesh.py", "test_expert_parallel.py", "test_ray_launch.py", "test_vllm_bridge.py", "test_engine.py",
+    "test_engine_mesh.py", "test_fused_projections.py", "test_colocated.py", "test_train_and_errors.py",
+    "test_async_rl.py", "test_wgmma_paths.py", "test_fp8_attention_kernel.py", "test_routing_replay.py",
+    "test_kl_entropy.py", "test_fp8_training.py", "test_sync_verify.py", "test_multihost.py", "test_vllm_tp_sync.py",
     "test_stacked_experts.py", "test_fp8_vllm_exact.py", "test_attention.py", "test_run_gpu.py",
     "test_kernel_choice.py", "test_precision.py", "test_model_parity.py", "test_mosaic_gemm.py",
     "test_objectives_properties.py", "test_quant_gpu_compile.py", "test_offload.py", "test_checkpoint.py",
