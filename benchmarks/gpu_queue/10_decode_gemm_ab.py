@@ -8,41 +8,13 @@ M = 1 and 16 on the four shapes first, M = 64 if time remains).
 """
 
 import dataclasses
-import json
-import os
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
-OUT = os.environ.get("OUT", "runs/gpu_queue_local")
-os.makedirs(OUT, exist_ok=True)
-ITERS = 50
-T0 = time.time()
-
-
-def record(**row):
-    """Append one measurement to $OUT/results.jsonl (flushed at once) and print it."""
-    row.update(device=jax.devices()[0].device_kind, jax=jax.__version__, time=round(time.time() - T0, 1))
-    with open(os.path.join(OUT, "results.jsonl"), "a") as f:
-        f.write(json.dumps(row) + "\n")
-    print(json.dumps(row), flush=True)
-
-
-def timed(fn, *args):
-    """Seconds per call of ``fn(*args)`` inside a ``fori_loop`` of ITERS calls (compiled first)."""
-    @jax.jit
-    def loop(*a):
-        def body(i, acc):
-            return acc + fn(*a)[0, 0].astype(jnp.float32)
-        return lax.fori_loop(0, ITERS, body, jnp.float32(0))
-
-    loop(*args).block_until_ready()
-    t = time.perf_counter()
-    loop(*args).block_until_ready()
-    return (time.perf_counter() - t) / ITERS, jax.jit(fn)(*args)
+from _timing import T0, record, timed
 
 
 def main():

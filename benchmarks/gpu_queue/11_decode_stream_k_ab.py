@@ -8,39 +8,13 @@ reference, at M = 1, 16 and 64. One JSON line per measurement in $OUT/results.js
 budget). The winner goes into ``choose_config`` (or the shipped autotuning table).
 """
 
-import json
-import os
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
-OUT = os.environ.get("OUT", "runs/gpu_queue_local")
-os.makedirs(OUT, exist_ok=True)
-ITERS = 50
-T0 = time.time()
-
-
-def record(**row):
-    """Append one measurement to $OUT/results.jsonl (flushed at once) and print it."""
-    row.update(device=jax.devices()[0].device_kind, jax=jax.__version__, time=round(time.time() - T0, 1))
-    with open(os.path.join(OUT, "results.jsonl"), "a") as f:
-        f.write(json.dumps(row) + "\n")
-    print(json.dumps(row), flush=True)
-
-
-def timed(fn, *args):
-    """Seconds per call of ``fn(*args)`` inside a ``fori_loop`` of ITERS calls (compiled first), and one result."""
-    @jax.jit
-    def loop(*a):
-        return lax.fori_loop(0, ITERS, lambda i, acc: acc + fn(*a)[0, 0].astype(jnp.float32), jnp.float32(0))
-
-    loop(*args).block_until_ready()
-    t = time.perf_counter()
-    loop(*args).block_until_ready()
-    return (time.perf_counter() - t) / ITERS, jax.jit(fn)(*args)
+from _timing import T0, record, timed
 
 
 def main():
