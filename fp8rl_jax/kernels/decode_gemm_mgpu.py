@@ -326,6 +326,40 @@ def _config_name(cfg: DecodeGemmConfig) -> str:
     return f"swapab(wgs={cfg.compute_wgs},stages={cfg.stages},splits={cfg.splits})"
 
 
+def _layout_fns(plgpu, interpret):
+    """``(as_layout, token_scales)`` of a kernel body: compiled (``interpret`` None), ``plgpu.layout_cast`` and the
+    ``[m_pad]`` token-scale row loaded in the WGMMA accumulator's column layout (one scale per column); in the
+    interpreter, which has no layouts (and no ``plgpu.load``), the identity and a plain read."""
+    if interpret is None:
+        def token_scales(xs_s):  # [m_pad] token scales, one per accumulator column
+            return plgpu.load(xs_s.at[0], (), layout=plgpu.Layout.WGMMA.reduce(0))
+
+        return plgpu.layout_cast, token_scales
+
+    def as_layout(x, layout):
+        del layout
+        return x
+
+    def token_scales(xs_s):
+        return xs_s[0, :]
+
+    return as_layout, token_scales
+
+
+def _block_product(plgpu, pl, w_s, x_s, wg, s):
+    """One K block's promoted product for compute warpgroup ``wg``: the swap-AB wgmma of its 64 weight rows of
+    ``w_s [cta_n, 128]`` with the tokens ``x_s [m_pad, 128]`` into a fresh float32 accumulator, times the
+    ``[m_pad]`` scales ``s`` per column (DeepGEMM's promotion): ``[64, m_pad]`` float32."""
+    m_pad = x_s.shape[0]
+
+    def mma(p_ref):
+        plgpu.wgmma(p_ref, w_s.at[pl.ds(wg * WG_ROWS, WG_ROWS)], plgpu.transpose_ref(x_s, (1, 0)))
+        return p_ref[...]
+
+    p = pl.run_scoped(mma, plgpu.ACC((WG_ROWS, m_pad), jnp.float32))
+    return p * lax.broadcast_in_dim(s, (WG_ROWS, m_pad), (1,))
+
+
 def _build(np_: int, m_pad: int, kb: int, cfg: DecodeGemmConfig, interpret):
     """The ``plgpu.kernel``: ``(wq [np_, kb*128], xq [m_pad, kb*128], xsT [kb, m_pad] f32, ws [NB, kb] f32) ->
     partials f32 [splits, np_, m_pad]``."""
@@ -337,18 +371,7 @@ def _build(np_: int, m_pad: int, kb: int, cfg: DecodeGemmConfig, interpret):
     op_tr = _swizzled(plgpu, BLOCK_SIZE, jnp.float8_e4m3fn)
     out_tr = _swizzled(plgpu, m_pad, jnp.float32)
 
-    if interpret is None:
-        as_layout = plgpu.layout_cast
-
-        def token_scales(xs_s):  # [m_pad] token scales, one per accumulator column
-            return plgpu.load(xs_s.at[0], (), layout=plgpu.Layout.WGMMA.reduce(0))
-    else:  # the interpreter has no layouts (and no plgpu.load)
-        def as_layout(x, layout):
-            del layout
-            return x
-
-        def token_scales(xs_s):
-            return xs_s[0, :]
+    as_layout, token_scales = _layout_fns(plgpu, interpret)
 
     def body(w_g, x_g, xs_g, ws_g, o_g):
         ni, si, wg = lax.axis_index("n"), lax.axis_index("s"), lax.axis_index("wg")
@@ -360,13 +383,7 @@ def _build(np_: int, m_pad: int, kb: int, cfg: DecodeGemmConfig, interpret):
             # the block's weight scale and token scales are read before the wgmma is waited on, so their load
             # latency (GMEM / SMEM) hides behind the tensor cores instead of adding to every K step
             s = token_scales(xs_s) * ws_g[nb, k0 + k]  # [m_pad]: ws[n // 128, kb] * xs[m, kb]
-
-            def mma(p_ref):
-                plgpu.wgmma(p_ref, w_s.at[pl.ds(wg * WG_ROWS, WG_ROWS)], plgpu.transpose_ref(x_s, (1, 0)))
-                return p_ref[...]
-
-            p = pl.run_scoped(mma, plgpu.ACC((WG_ROWS, m_pad), jnp.float32))
-            return acc + p * lax.broadcast_in_dim(s, (WG_ROWS, m_pad), (1,))
+            return acc + _block_product(plgpu, pl, w_s, x_s, wg, s)
 
         in_specs = [
             plgpu.BlockSpec((cta_n, BLOCK_SIZE), lambda k: (ni, k0 + k), transforms=op_tr),
@@ -421,18 +438,7 @@ def _build_stream_k(np_: int, m_pad: int, kb: int, cfg: DecodeGemmConfig, interp
     op_tr = _swizzled(plgpu, BLOCK_SIZE, jnp.float8_e4m3fn)
     out_tr = _swizzled(plgpu, m_pad, jnp.float32)
 
-    if interpret is None:
-        as_layout = plgpu.layout_cast
-
-        def token_scales(xs_s):
-            return plgpu.load(xs_s.at[0], (), layout=plgpu.Layout.WGMMA.reduce(0))
-    else:
-        def as_layout(x, layout):
-            del layout
-            return x
-
-        def token_scales(xs_s):
-            return xs_s[0, :]
+    as_layout, token_scales = _layout_fns(plgpu, interpret)
 
     def body(w_g, x_g, xs_g, ws_g, o_g):
         ci, wg = lax.axis_index("c"), lax.axis_index("wg")
@@ -450,13 +456,7 @@ def _build_stream_k(np_: int, m_pad: int, kb: int, cfg: DecodeGemmConfig, interp
             w = ws_g[(t * cta_n) // BLOCK_SIZE, b] * live
             s = token_scales(xs_s) * w
             second = (t != t0).astype(jnp.float32)
-
-            def mma(p_ref):
-                plgpu.wgmma(p_ref, w_s.at[pl.ds(wg * WG_ROWS, WG_ROWS)], plgpu.transpose_ref(x_s, (1, 0)))
-                return p_ref[...]
-
-            p = pl.run_scoped(mma, plgpu.ACC((WG_ROWS, m_pad), jnp.float32))
-            ps = p * lax.broadcast_in_dim(s, (WG_ROWS, m_pad), (1,))
+            ps = _block_product(plgpu, pl, w_s, x_s, wg, s)
             acc0, acc1 = accs
             return acc0 + ps * (1.0 - second), acc1 + ps * second
 
