@@ -239,6 +239,12 @@ def choose_config(n: int, k: int, m: int, sms: int = HOPPER_SMS, max_stages: int
     """
     m_pad = padded_tokens(m)
     kb = -(-k // BLOCK_SIZE)
+
+    def rank(cfg):  # enough bytes in flight, then wave efficiency, bytes in flight, fewer splits, wgs, stages
+        r = roofline(cfg, n, k, m, sms)
+        return (r.bytes_in_flight_per_sm >= MIN_BYTES_IN_FLIGHT_PER_SM, round(r.wave_efficiency, 3),
+                min(r.bytes_in_flight_per_sm, 4 * MIN_BYTES_IN_FLIGHT_PER_SM), -cfg.splits, cfg.compute_wgs, cfg.stages)
+
     best, best_key = None, None
     for wgs in ((2, 1) if n % 128 == 0 else (1,)):
         for stages in range(4, max_stages + 1):
@@ -246,23 +252,18 @@ def choose_config(n: int, k: int, m: int, sms: int = HOPPER_SMS, max_stages: int
                 cfg = DecodeGemmConfig(compute_wgs=wgs, stages=stages, splits=splits)
                 if cfg.smem_bytes(m_pad) > HOPPER_SMEM_BYTES or kb // splits < min(stages, 4, kb):
                     continue
-                r = roofline(cfg, n, k, m, sms)
-                key = (r.bytes_in_flight_per_sm >= MIN_BYTES_IN_FLIGHT_PER_SM, round(r.wave_efficiency, 3),
-                       min(r.bytes_in_flight_per_sm, 4 * MIN_BYTES_IN_FLIGHT_PER_SM), -splits, wgs, stages)
+                key = rank(cfg)
                 if best_key is None or key > best_key:
                     best, best_key = cfg, key
     if not stream_k or roofline(best, n, k, m, sms).wave_efficiency >= 0.9:
         return best
-    tiles_of = {wgs: -(-n // (WG_ROWS * wgs)) for wgs in (1, 2)}
     for wgs in ((2, 1) if n % 128 == 0 else (1,)):
         for stages in range(4, max_stages + 1):
             cfg = DecodeGemmConfig(compute_wgs=wgs, stages=stages, stream_k_ctas=sms)
-            per, _ = cfg.stream_k_units(tiles_of[wgs], kb)
+            per, _ = cfg.stream_k_units(-(-n // cfg.cta_n), kb)
             if cfg.smem_bytes(m_pad) > HOPPER_SMEM_BYTES or per > kb or per < min(stages, 4) or stages > per:
                 continue
-            r = roofline(cfg, n, k, m, sms)
-            key = (r.bytes_in_flight_per_sm >= MIN_BYTES_IN_FLIGHT_PER_SM, round(r.wave_efficiency, 3),
-                   min(r.bytes_in_flight_per_sm, 4 * MIN_BYTES_IN_FLIGHT_PER_SM), -1, wgs, stages)
+            key = rank(cfg)
             if key > best_key:
                 best, best_key = cfg, key
     return best
