@@ -160,8 +160,7 @@ def expert_parallel(mesh: Mesh | None, num_experts: int, dispatch: str = "auto",
     f = tuple(float(x) for x in capacity_factors)
     if any(x <= 0 for x in f) or list(f) != sorted(set(f)):
         raise ValueError(f"capacity_factors must be positive and increasing, got {capacity_factors}")
-    if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, numbers.Integral) or chunk_tokens < 0:
-        raise ValueError(f"chunk_tokens must be an integer >= 0 (0: one round), got {chunk_tokens!r}")
+    check_chunk_tokens(chunk_tokens)
     if mesh is None or dispatch == "replicated" or int(mesh.shape.get(axis, 1)) == 1:
         return None
     e = int(mesh.shape[axis])
@@ -171,6 +170,12 @@ def expert_parallel(mesh: Mesh | None, num_experts: int, dispatch: str = "auto",
                          f"moe dispatch='replicated')")
     token_axes = tuple(a for a in TOKEN_AXES if int(mesh.shape.get(a, 1)) > 1 or a == axis)
     return ExpertParallel(mesh, int(num_experts), axis, token_axes, all_to_all, f, int(chunk_tokens))
+
+
+def check_chunk_tokens(chunk_tokens, name: str = "chunk_tokens") -> None:
+    """Raise ``ValueError`` (naming ``name``) unless ``chunk_tokens`` is an integer >= 0 (``bool`` is refused)."""
+    if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, numbers.Integral) or chunk_tokens < 0:
+        raise ValueError(f"{name} must be an integer >= 0 (0: one all-to-all round), got {chunk_tokens!r}")
 
 
 def capacities(rows: int, e: int, factors: Sequence[float]) -> tuple[int, ...]:
@@ -377,6 +382,6 @@ def collective_sizes_per_layer(tokens: int, top_k: int, hidden: int, e: int, ite
     return {"static": 2.0 * (e - 1) * r * hidden * itemsize, "ragged": 2.0 * (e - 1) / e * r * hidden * itemsize}
 
 
-__all__ = ["DISPATCHES", "ALL_TO_ALL_IMPLS", "DEFAULT_CAPACITY_FACTORS", "DEFAULT_CHUNK_TOKENS", "ExpertParallel", "expert_parallel",
-           "capacities", "SendLayout", "dispatch_rows", "return_rows", "run_local_bounded", "ep_experts",
-           "collective_sizes_per_layer"]
+__all__ = ["DISPATCHES", "ALL_TO_ALL_IMPLS", "DEFAULT_CAPACITY_FACTORS", "DEFAULT_CHUNK_TOKENS", "ExpertParallel",
+           "expert_parallel", "check_chunk_tokens", "capacities", "SendLayout", "dispatch_rows", "return_rows",
+           "run_local_bounded", "ep_experts", "collective_sizes_per_layer"]

@@ -564,11 +564,11 @@ def set_expert_parallel(model: nnx.Module, mesh, dispatch: str = "auto", *, all_
       ValueError: as :func:`fp8rl_jax.models.expert_parallel.expert_parallel` (unknown values, ``num_experts`` not
         divisible by the ``expert`` axis).
     """
+    kw = {} if capacity_factors is None else {"capacity_factors": tuple(capacity_factors)}
+    kw |= {} if chunk_tokens is None else {"chunk_tokens": chunk_tokens}
     on = False
     for _, mod in nnx.iter_modules(model):
         if isinstance(mod, SparseMoeBlock):
-            kw = {} if capacity_factors is None else {"capacity_factors": tuple(capacity_factors)}
-            kw |= {} if chunk_tokens is None else {"chunk_tokens": chunk_tokens}
             mod.expert_parallel = make_expert_parallel(mesh, mod.num_experts, dispatch, all_to_all=all_to_all, **kw)
             on = on or mod.expert_parallel is not None
     return on

@@ -8,7 +8,8 @@ import dataclasses
 
 import gin
 
-from fp8rl_jax.models.expert_parallel import ALL_TO_ALL_IMPLS, DEFAULT_CAPACITY_FACTORS, DEFAULT_CHUNK_TOKENS, DISPATCHES
+from fp8rl_jax.models.expert_parallel import (ALL_TO_ALL_IMPLS, DEFAULT_CAPACITY_FACTORS, DEFAULT_CHUNK_TOKENS, DISPATCHES,
+                                              check_chunk_tokens)
 
 
 @gin.configurable("moe")
@@ -45,9 +46,7 @@ class MoeDispatchConfig:
         if not f or any(x <= 0 for x in f) or list(f) != sorted(set(f)):
             raise ValueError(f"moe.capacity_factors must be positive and increasing, got {self.capacity_factors}")
         object.__setattr__(self, "capacity_factors", f)
-        c = self.chunk_tokens
-        if isinstance(c, bool) or not isinstance(c, int) or c < 0:
-            raise ValueError(f"moe.chunk_tokens must be an integer >= 0 (0: one all-to-all round), got {c!r}")
+        check_chunk_tokens(self.chunk_tokens, "moe.chunk_tokens")
 
     def kwargs(self) -> dict:
         """Keyword arguments of :func:`fp8rl_jax.models.moe.set_expert_parallel` (after ``model, mesh``)."""
