@@ -166,31 +166,23 @@ def _worker_blocks() -> dict:
     from fp8rl_jax.models import expert_parallel as epm
 
     epm.RAGGED_ALL_TO_ALL[0] = ragged_all_to_all_emulated  # the ragged layout, run on the CPU
-    for shape, impl in [(s, "static") for s in MESHES] + [(s, "ragged") for s in RAGGED_MESHES]:
-        mesh = make_mesh(shape, platform="cpu")
-        m = nnx.clone(blk)
-        assert set_expert_parallel(m, mesh, "all_to_all", all_to_all=impl)
-        for name, ids in routings.items():
-            rep = None if ids is None else jnp.asarray(ids.reshape(3, 5, K_TOP), jnp.int32)
-            y = np.asarray(fwd_jit(m, x, rep))
-            g = {k: np.asarray(v) for k, v in grads_jit(m, x, rep).items()}
-            out[f"{shape}|{impl}|{name}"] = {"y": _rel(y, ref[name][0]),
-                                      "grad": max(_rel(g[k], ref[name][1][k]) for k in ref[name][1]),
-                                      "grad_keys": sorted(g) == sorted(ref[name][1])}
-    # token rounds (moe.chunk_tokens): expert=2 gives each device 8 of the 16 padded tokens, rounds of at most 3
-    # make three rounds of 3, the last with one padding token (static buffers); fsdp=2,expert=4 gives each device 2,
-    # rounds of 1 (the ragged layout, two token axes)
-    for shape, impl, chunk in ROUND_CASES:
+    # every mesh in one round, then token rounds (moe.chunk_tokens): expert=2 gives each device 8 of the 16 padded
+    # tokens, rounds of at most 3 make three rounds of 3, the last with one padding token (static buffers);
+    # fsdp=2,expert=4 gives each device 2, rounds of 1 (the ragged layout, two token axes)
+    cases = ([(s, "static", None) for s in MESHES] + [(s, "ragged", None) for s in RAGGED_MESHES]
+             + list(ROUND_CASES))
+    for shape, impl, chunk in cases:
         m = nnx.clone(blk)
         assert set_expert_parallel(m, make_mesh(shape, platform="cpu"), "all_to_all", all_to_all=impl,
                                    chunk_tokens=chunk)
+        label = impl if chunk is None else f"{impl},chunk{chunk}"
         for name, ids in routings.items():
             rep = None if ids is None else jnp.asarray(ids.reshape(3, 5, K_TOP), jnp.int32)
             y = np.asarray(fwd_jit(m, x, rep))
             g = {k: np.asarray(v) for k, v in grads_jit(m, x, rep).items()}
-            out[f"{shape}|{impl},chunk{chunk}|{name}"] = {
-                "y": _rel(y, ref[name][0]), "grad": max(_rel(g[k], ref[name][1][k]) for k in ref[name][1]),
-                "grad_keys": sorted(g) == sorted(ref[name][1])}
+            out[f"{shape}|{label}|{name}"] = {"y": _rel(y, ref[name][0]),
+                                              "grad": max(_rel(g[k], ref[name][1][k]) for k in ref[name][1]),
+                                              "grad_keys": sorted(g) == sorted(ref[name][1])}
     out["chunk_temp_bytes"] = _chunk_temp_bytes(blk)
     try:
         set_expert_parallel(nnx.clone(blk), make_mesh("expert=3", platform="cpu"))
