@@ -51,8 +51,18 @@ def notebook_paths(only: list[str] | None = None) -> list[str]:
     return [os.path.join(EXAMPLES, n) for n in names]
 
 
+def read(path: str):
+    """The notebook at ``path`` (nbformat v4)."""
+    import nbformat
+
+    return nbformat.read(path, as_version=4)
+
+
 def execute(path: str, cell_timeout_s: float | None = None):
     """Execute one notebook in a fresh kernel (cwd = its folder), with a private temporary directory.
+
+    A cell running longer than ``cell_timeout_s`` seconds of wall time (default: the notebook's budget) is stopped
+    and fails the run; tests/test_notebooks.py passes a multiple of the budget, since it runs beside other load.
 
     The kernel's ``TMPDIR`` is a new directory removed once the kernel has stopped, so whatever the notebook writes
     through :mod:`tempfile` (run directories, a 1.4 GB checkpoint in the quickstart) is gone afterwards, also when a
@@ -65,12 +75,11 @@ def execute(path: str, cell_timeout_s: float | None = None):
 
     Raises:
       nbclient.exceptions.CellExecutionError: a cell raised (the traceback is in the message).
-      nbclient.exceptions.CellTimeoutError: a cell ran past the budget.
+      nbclient.exceptions.CellTimeoutError: a cell ran past ``cell_timeout_s``.
     """
     import nbclient
-    import nbformat
 
-    nb = nbformat.read(path, as_version=4)
+    nb = read(path)
     timeout = cell_timeout_s if cell_timeout_s is not None else budget_s(nb)
     ru0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
