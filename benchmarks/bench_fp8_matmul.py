@@ -46,7 +46,7 @@ from bench_quant import device_info, timeit, write_results  # noqa: E402
 
 from fp8rl_jax.fp8 import (dequantize_weight_blockwise, make_fp8_dot_general, quantize_weight_blockwise,  # noqa: E402
                            w8a8_block_matmul)
-from fp8rl_jax.fp8.pallas_gemm import pallas_w8a8_matmul  # noqa: E402
+from fp8rl_jax.kernels.pallas_gemm import pallas_w8a8_matmul  # noqa: E402
 from fp8rl_jax.fp8.quant import quantize_activation_groupwise  # noqa: E402
 
 

@@ -8,7 +8,7 @@ Subcommands (``python benchmarks/gpu_quick.py <cmd> --help``):
   cannot import into a site folder for ``PYTHONPATH``; packages already installed are left alone
   (:func:`ensure_site`).
 * ``check``: import what each quick stage needs and say, per stage, what is missing (:func:`check_requirements`).
-* ``selftest``: every kernel family's self-test (:data:`fp8rl_jax.fp8.kernels.FAMILIES`) on the GPU, with its
+* ``selftest``: every kernel family's self-test (:data:`fp8rl_jax.kernels.registry.FAMILIES`) on the GPU, with its
   seconds and error (:func:`run_selftests`).
 * ``tests-report``: merge the per-file pytest results (JUnit XML, or the live report of a file cut by its time limit)
   into ``benchmarks/results/gpu_tests_<device>.json`` (:func:`gpu_tests_report`).
@@ -234,7 +234,7 @@ def needed_distributions(imports=PACK_IMPORTS, image=IMAGE_DISTS, project="fp8rl
 
 #: what each stage of ``run_gpu.sh quick`` imports (the project modules pull in their own dependencies)
 STAGE_MODULES = {
-    "selftest": ["jax", "numpy", "ml_dtypes", "fp8rl_jax.fp8.kernels"],
+    "selftest": ["jax", "numpy", "ml_dtypes", "fp8rl_jax.kernels.registry"],
     "tests": ["pytest", "torch", "flax", "fp8rl_jax.fp8", "fp8rl_jax.models.decoder", "rollout_bridge.cpu_gemm"],
     "rollout": ["flax", "fp8rl_jax.export", "fp8rl_jax.rollout.engine"],
     "gemm": ["fp8rl_jax.fp8"],
@@ -280,11 +280,11 @@ def check_requirements(stages=None) -> dict:
 
 
 def run_selftests() -> dict:
-    """Run every kernel family's self-test once in this process (``kernels.kernel_mode_scope("auto")``).
+    """Run every kernel family's self-test once in this process (``registry.kernel_mode_scope("auto")``).
 
     Imports every module of ``fp8rl_jax.fp8`` and ``fp8rl_jax.models.attention_impl`` first (each registers its
     family's self-test at import; an import error is recorded). Without a CUDA device nothing is tested
-    (``"tested": False``): :func:`fp8rl_jax.fp8.kernels.selftest_passed` passes trivially there.
+    (``"tested": False``): :func:`fp8rl_jax.kernels.registry.selftest_passed` passes trivially there.
 
     Returns:
       ``{"device", "jax", "tested", "families": {family: {"passed", "seconds", "error"}}, "import_errors",
@@ -296,25 +296,26 @@ def run_selftests() -> dict:
     import jax
 
     import fp8rl_jax.fp8 as fp8_pkg
-    from fp8rl_jax.fp8 import kernels
+    import fp8rl_jax.kernels as kernels_pkg
+    from fp8rl_jax.kernels import registry
 
     import_errors = {}
-    mods = [f"fp8rl_jax.fp8.{m.name}" for m in pkgutil.iter_modules(fp8_pkg.__path__)]
+    mods = [f"{pkg.__name__}.{m.name}" for pkg in (fp8_pkg, kernels_pkg) for m in pkgutil.iter_modules(pkg.__path__)]
     for mod in [*mods, "fp8rl_jax.models.attention_impl"]:
         try:
             importlib.import_module(mod)
         except Exception as e:  # noqa: BLE001 - recorded, the families of the other modules still run
             import_errors[mod] = f"{type(e).__name__}: {e}"
-    dev = kernels.cuda_device()
+    dev = registry.cuda_device()
     res = {}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        with kernels.kernel_mode_scope("auto"):
-            for fam in kernels.FAMILIES:
+        with registry.kernel_mode_scope("auto"):
+            for fam in registry.FAMILIES:
                 t = time.perf_counter()
-                ok = bool(kernels.selftest_passed(fam))
+                ok = bool(registry.selftest_passed(fam))
                 res[fam] = {"passed": ok and dev is not None, "seconds": round(time.perf_counter() - t, 2),
-                            "error": kernels.selftest_failures().get(fam) or (None if dev else "no CUDA device")}
+                            "error": registry.selftest_failures().get(fam) or (None if dev else "no CUDA device")}
                 print(f"selftest {fam}: {'pass' if res[fam]['passed'] else 'FAIL'} ({res[fam]['seconds']} s)"
                       + (f": {res[fam]['error']}" if res[fam]["error"] else ""), flush=True)
     return {"device": dev.device_kind if dev is not None else jax.devices()[0].device_kind, "jax": jax.__version__,

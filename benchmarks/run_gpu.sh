@@ -18,7 +18,7 @@
 # device's time limit keeps what finished:
 #   env       nvidia-smi, versions; unpack the wheels whose packages are missing into .whl/site (on PYTHONPATH);
 #             import what each stage needs (benchmarks/gpu_quick.py check: requirements.json names what is missing)
-#   selftest  every kernel family's self-test (fp8rl_jax.fp8.kernels.FAMILIES) on the GPU -> selftest.json
+#   selftest  every kernel family's self-test (fp8rl_jax.kernels.registry.FAMILIES) on the GPU -> selftest.json
 #   tests     every GPU test (pytest -m gpu; the files that hold GPU-marked tests), ONE pytest per file, -v
 #             --tb=short -rf, GPU_TEST_JOBS (default 2) files at a time (XLA_PYTHON_CLIENT_PREALLOCATE=false), each
 #             failure printed as it happens (benchmarks/pytest_live_report.py); merged into

@@ -16,7 +16,7 @@ With ``kv_scales`` the per-layer FP8 attention scales ride along under vLLM's ch
 With ``fuse=True`` (the embedded FP8 engine's sync, issue 21) the q/k/v and dense gate/up weights whose parts are
 128-row aligned come out fused under vLLM's names (``self_attn.qkv_proj``, ``mlp.gate_up_proj``;
 :mod:`fp8rl_jax.models.fused`), quantized inside the same program straight into the fused buffers
-(:func:`fp8rl_jax.fp8.pallas_quant.quantize_weights_fused`): the same bytes written as the unfused export, no
+(:func:`fp8rl_jax.kernels.pallas_quant.quantize_weights_fused`): the same bytes written as the unfused export, no
 concatenation pass afterwards, and the engine installs them without a copy. The default stays unfused: the HF
 checkpoint names every other consumer (vLLM, torch receivers, HF export) reads.
 """
@@ -34,7 +34,7 @@ from jax import lax
 from fp8rl_jax.fp8 import BLOCK_SIZE, quantize_weights_batched
 from fp8rl_jax.fp8.kv_cache import KVScales
 from fp8rl_jax.export_ep import leading_axis_sharded, split_stack_on_owners
-from fp8rl_jax.fp8.pallas_quant import quantize_weights_fused
+from fp8rl_jax.kernels.pallas_quant import quantize_weights_fused
 from fp8rl_jax.models.experts import expert_names, is_expert_stack_name, split_expert_names, split_expert_stacks
 from fp8rl_jax.models.fused import FusedProjection, fuse_tensors, fused_names, fused_projections
 from fp8rl_jax.rollout.types import ExportedWeights
@@ -124,7 +124,7 @@ def _export(params: dict, fmt: str, block_size: int, ue8m0: bool, unquantized: t
     ``bad`` is a bool ``[len(names)]`` in :func:`_source_names` order (True: that tensor holds NaN/inf), or None
     without ``check``. Linears are quantized one call per weight (``stack=False``, no stack/slice copies; see
     :func:`fp8rl_jax.fp8.quantize_weights_batched`), each fused group (``fused``) by one
-    :func:`~fp8rl_jax.fp8.pallas_quant.quantize_weights_fused` call that writes the fused buffers directly; their
+    :func:`~fp8rl_jax.kernels.pallas_quant.quantize_weights_fused` call that writes the fused buffers directly; their
     finiteness comes from the quantized output and the scales (the GPU Pallas kernel propagates NaN into the scales), dense tensors' (a fused group's biases: concatenated) from an ``isfinite`` reduction
     fused with their cast. ``keep_stacks``: expert stacks leave as stacks (one tensor, one flag each).
     """

@@ -18,7 +18,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from fp8rl_jax.fp8.kernels import selftest_passed as kernels_selftest_passed
+from fp8rl_jax.kernels.registry import selftest_passed as kernels_selftest_passed
 from fp8rl_jax.gpu_target import lowering_for_h100
 from flax import nnx
 
@@ -244,7 +244,7 @@ def test_cudnn_selftest_checks_gradients_at_the_trainer_layouts(monkeypatch):
     pads, a row that is all padding, GQA, bf16. The trainer's cuDNN layout (rows rotated to right padding, seq
     lengths, causal) passes it when run through XLA on this CPU; a kernel with a right forward and a gradient that
     leaks the pad rows (what cuDNN's bias path did on the H200) fails it, through the registered self-test itself."""
-    from fp8rl_jax.fp8.kernels import KernelMismatch
+    from fp8rl_jax.kernels.registry import KernelMismatch
     from fp8rl_jax.models import attention_impl as ai
 
     assert 0 in ai.SELFTEST_PADS and 64 in ai.SELFTEST_PADS and len(set(ai.SELFTEST_PADS)) >= 3

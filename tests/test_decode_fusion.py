@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from fp8rl_jax.fp8 import quantize_weight_blockwise
-from fp8rl_jax.fp8.pallas_decode import decode_tiling, fused_w8a8_decode_matmul
+from fp8rl_jax.kernels.pallas_decode import decode_tiling, fused_w8a8_decode_matmul
 from test_fp8_pallas import _lower_for_cuda
 
 BF16 = jnp.bfloat16

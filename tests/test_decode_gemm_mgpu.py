@@ -145,7 +145,7 @@ def test_tuned_config_is_the_arithmetic_choice_without_a_gpu_and_tuned_with_one(
     """Without a CUDA device the tuner is not asked to time: :func:`tuned_config` is :func:`choose_config`'s. With a
     (fake) CUDA device and an injected timer the tuner times every candidate configuration (each one a valid,
     distinct configuration of this shape, the default first) and keeps the fastest; the choice persists."""
-    from fp8rl_jax.fp8 import kernels
+    from fp8rl_jax.kernels import registry
     from fp8rl_jax.kernels import tuner
 
     n, k, m = 128, 256, 3
@@ -161,8 +161,8 @@ def test_tuned_config_is_the_arithmetic_choice_without_a_gpu_and_tuned_with_one(
 
     monkeypatch.setenv("FP8RL_AUTOTUNE_CACHE", str(tmp_path))
     monkeypatch.setenv("FP8RL_AUTOTUNE_BUDGET_S", "900")  # interpret mode on this CPU, not a GPU
-    monkeypatch.setattr(kernels, "cuda_device", lambda: FakeGPU())
-    monkeypatch.setattr(kernels, "use_kernel", lambda family: True)  # the family's self-test: its own tests
+    monkeypatch.setattr(registry, "cuda_device", lambda: FakeGPU())
+    monkeypatch.setattr(registry, "use_kernel", lambda family: True)  # the family's self-test: its own tests
     fast = cands[-1]
     timed = []
 

@@ -1,4 +1,4 @@
-"""Decode attention over an e4m3 KV cache dequantized inside a Pallas kernel (fp8rl_jax/fp8/pallas_attention.py).
+"""Decode attention over an e4m3 KV cache dequantized inside a Pallas kernel (fp8rl_jax/kernels/pallas_attention.py).
 
 - numerics, Pallas interpret mode on the CPU, against an independent float64 numpy reference: attention over the
   dequantized cache (``ml_dtypes`` e4m3 values times the float32 scale, vLLM's FP8 KV semantics), GQA, left padding
@@ -23,8 +23,8 @@ import pytest
 
 from fp8rl_jax.export import export_weights
 from hlo_calls import triton_launches
-from fp8rl_jax.fp8.pallas_attention import decode_kernel_choice, fp8_kv_decode_attention, use_fp8_kv_kernel
-from fp8rl_jax.fp8.kernels import cuda_device
+from fp8rl_jax.kernels.pallas_attention import decode_kernel_choice, fp8_kv_decode_attention, use_fp8_kv_kernel
+from fp8rl_jax.kernels.registry import cuda_device
 from fp8rl_jax.models.config import ModelConfig
 from fp8rl_jax.models.decoder import Attention, KVCache, left_pad, named_params, set_qkv_capture
 from fp8rl_jax.models.loading import build_model

@@ -8,7 +8,7 @@ from flax import nnx
 
 from fp8rl_jax.fp8 import dot_general as dg
 from fp8rl_jax.fp8 import linear, quant
-from fp8rl_jax.fp8.pallas_gemm import pallas_w8a8_matmul
+from fp8rl_jax.kernels.pallas_gemm import pallas_w8a8_matmul
 from fp8_problems import loss64_and_grads, smooth_problem
 
 LINEAR_DN = (((1,), (0,)), ((), ()))  # x [M, K] . w [K, N] (nnx.Linear kernel layout)

@@ -19,9 +19,9 @@ import pytest
 
 from fp8rl_jax.fp8 import quant
 from fp8rl_jax.fp8.dot_general import scaled_matmul
-from fp8rl_jax.fp8.pallas_gemm import pallas_w8a8_matmul
-from fp8rl_jax.fp8.kernels import cuda_device
-from fp8rl_jax.fp8.pallas_quant import pallas_quantize_activation_groupwise, pallas_quantize_weight_blockwise
+from fp8rl_jax.kernels.pallas_gemm import pallas_w8a8_matmul
+from fp8rl_jax.kernels.registry import cuda_device
+from fp8rl_jax.kernels.pallas_quant import pallas_quantize_activation_groupwise, pallas_quantize_weight_blockwise
 import fp8_numpy_ref as ref
 from fp8_problems import assert_same_quant as _same
 from fp8_problems import assert_same_quant_arbitrated as _arbitrated
@@ -111,7 +111,7 @@ def test_w8a8_gemm_on_gpu_matches_float64(m):
 @pytest.mark.parametrize("m,splits", [(1, None), (8, 4), (64, 1)])
 def test_fused_decode_kernel_on_gpu_matches_float64(m, splits):
     """The one-launch split-K kernel quantizes the activation rows itself: same float64 product as the GEMM."""
-    from fp8rl_jax.fp8.pallas_decode import fused_w8a8_decode_matmul
+    from fp8rl_jax.kernels.pallas_decode import fused_w8a8_decode_matmul
 
     rng = np.random.default_rng(100 + m)
     x = rng.standard_normal((m, 1024)).astype(np.float32)
@@ -180,13 +180,13 @@ def test_engine_on_gpu_scores_like_a_float64_forward(precision, kv):
 
 
 def test_every_kernel_family_passes_its_selftest_on_the_gpu():
-    """Issue 28 (6): on the GPU every kernel family's one-time self-test (fp8rl_jax.fp8.kernels) passes, so "auto"
+    """Issue 28 (6): on the GPU every kernel family's one-time self-test (fp8rl_jax.kernels.registry) passes, so "auto"
     runs the project's kernels and nothing silently falls back to XLA; a failure here names the kernel and its error."""
-    from fp8rl_jax.fp8 import kernels
-    from fp8rl_jax.fp8 import pallas_attention, pallas_decode, pallas_grouped, pallas_quant  # noqa: F401 (register)
-    from fp8rl_jax.fp8 import mosaic_gemm  # noqa: F401
+    from fp8rl_jax.kernels import registry
+    from fp8rl_jax.kernels import pallas_attention, pallas_decode, pallas_grouped, pallas_quant  # noqa: F401 (register)
+    from fp8rl_jax.kernels import mosaic_gemm  # noqa: F401
     from fp8rl_jax.models import attention_impl  # noqa: F401
 
-    with kernels.kernel_mode_scope("auto"):
-        results = {family: kernels.selftest_passed(family) for family in kernels.FAMILIES}
-    assert all(results.values()), kernels.selftest_failures()
+    with registry.kernel_mode_scope("auto"):
+        results = {family: registry.selftest_passed(family) for family in registry.FAMILIES}
+    assert all(results.values()), registry.selftest_failures()

@@ -13,8 +13,8 @@ import pytest
 
 import fp8_numpy_ref as ref
 from fp8rl_jax.fp8 import formats, quantize_activation_groupwise
-from fp8rl_jax.fp8.pallas_gemm import pallas_w8a8_matmul
-from fp8rl_jax.fp8.pallas_grouped import grouped_w8a8_matmul, tile_schedule
+from fp8rl_jax.kernels.pallas_gemm import pallas_w8a8_matmul
+from fp8rl_jax.kernels.pallas_grouped import grouped_w8a8_matmul, tile_schedule
 from test_fp8_pallas import _lower_for_cuda
 
 E4M3 = jnp.float8_e4m3fn

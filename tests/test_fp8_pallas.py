@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from fp8rl_jax.fp8 import formats, quant
-from fp8rl_jax.fp8.pallas_gemm import pallas_w8a8_matmul
-from fp8rl_jax.fp8.pallas_quant import pallas_quantize_activation_groupwise, pallas_quantize_weight_blockwise
+from fp8rl_jax.kernels.pallas_gemm import pallas_w8a8_matmul
+from fp8rl_jax.kernels.pallas_quant import pallas_quantize_activation_groupwise, pallas_quantize_weight_blockwise
 from fp8rl_jax.gpu_target import lowering_for_h100
 from fp8_problems import assert_same_quant as _same
 from fp8_problems import QUANT_RECIPES as RECIPES
@@ -52,7 +52,8 @@ def test_kernels_follow_the_platform_lowered_for_not_the_devices_present():
     CPU, in one process whose only devices are CPUs (no monkeypatching): the choice is per computation, made by
     ``jax.lax.platform_dependent`` when the program is lowered. On a GPU host a CPU-placed computation thus never
     gets a compiled (non-interpret) Pallas kernel, which the CPU backend rejects."""
-    from fp8rl_jax.fp8 import linear, pallas_quant
+    from fp8rl_jax.fp8 import linear
+    from fp8rl_jax.kernels import pallas_quant
 
     e4m3 = jnp.float8_e4m3fn
     progs = {
@@ -198,7 +199,7 @@ def test_fp8_linear_lowers_to_real_fp8_ops_for_cuda():
 
 def test_batched_export_is_one_triton_launch_per_weight_shape_on_cuda():
     """quantize_weights_batched on a GPU: 2 layers x {q, k, v, o} (3 distinct shapes) -> 3 Triton launches."""
-    from fp8rl_jax.fp8 import pallas_quant
+    from fp8rl_jax.kernels import pallas_quant
 
     shapes = {"q_proj": (512, 256), "k_proj": (128, 256), "v_proj": (128, 256), "o_proj": (256, 512)}
     weights = {f"layers.{i}.{n}": S(s, jnp.bfloat16) for i in range(2) for n, s in shapes.items()}
@@ -213,7 +214,7 @@ def test_batched_export_is_one_triton_launch_per_weight_shape_on_cuda():
 def test_no_quant_tile_overhangs_its_arrays_on_cuda(shape, block):
     """Pallas' Triton lowering does not mask plain ref loads/stores, so every tile must lie inside its arrays:
     ragged inputs are zero-padded to whole tiles and the custom call's operand is exactly grid x block."""
-    from fp8rl_jax.fp8.pallas_quant import padded_tile_shape
+    from fp8rl_jax.kernels.pallas_quant import padded_tile_shape
 
     bn, bk = block
     if bn == 128:

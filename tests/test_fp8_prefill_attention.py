@@ -15,7 +15,7 @@ import pytest
 import jax
 import jax.numpy as jnp
 
-from fp8rl_jax.fp8.pallas_attention import fp8_kv_prefill_attention
+from fp8rl_jax.kernels.pallas_attention import fp8_kv_prefill_attention
 
 E4M3 = jnp.float8_e4m3fn
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from fp8rl_jax.fp8 import formats, quant
-from fp8rl_jax.fp8.pallas_quant import quantize_weights_batched
+from fp8rl_jax.kernels.pallas_quant import quantize_weights_batched
 
 # e4m3 has 3 stored mantissa bits: for |v| in [2^e, 2^(e+1)) the spacing is 2^(e-3), so round-to-nearest moves v
 # by at most half a spacing, 2^(e-4) <= 2^-4 |v|. That holds down to the smallest normal, 2^-6; below it

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 import fp8_numpy_ref as ref
 from fp8_problems import QUANT_RECIPES, assert_same_quant, quant_test_data
 from fp8rl_jax.fp8 import formats, quant
-from fp8rl_jax.fp8.pallas_quant import pallas_quantize_activation_groupwise, pallas_quantize_weight_blockwise
+from fp8rl_jax.kernels.pallas_quant import pallas_quantize_activation_groupwise, pallas_quantize_weight_blockwise
 
 
 @pytest.mark.parametrize("recipe", QUANT_RECIPES, ids=lambda r: r.name.split()[0])

@@ -23,7 +23,7 @@ torch = pytest.importorskip("torch")
 import jax.numpy as jnp  # noqa: E402
 
 from fp8rl_jax.fp8 import formats, quant  # noqa: E402
-from fp8rl_jax.fp8.pallas_quant import pallas_quantize_weight_blockwise  # noqa: E402
+from fp8rl_jax.kernels.pallas_quant import pallas_quantize_weight_blockwise  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 

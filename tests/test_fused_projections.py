@@ -31,9 +31,9 @@ from flax import nnx
 import fp8_numpy_ref as ref
 from fp8rl_jax.export import _export, export_weights
 from fp8rl_jax.fp8 import formats, quantize_activation_groupwise, w8a8_block_matmul
-from fp8rl_jax.fp8.pallas_decode import fused_w8a8_decode_matmul
-from fp8rl_jax.fp8.kernels import cuda_device
-from fp8rl_jax.fp8.pallas_quant import quantize_weights_fused
+from fp8rl_jax.kernels.pallas_decode import fused_w8a8_decode_matmul
+from fp8rl_jax.kernels.registry import cuda_device
+from fp8rl_jax.kernels.pallas_quant import quantize_weights_fused
 from fp8rl_jax.models.config import ModelConfig, hf_param_shapes
 from fp8rl_jax.models.decoder import KVCache, named_params, qkv_absmax_from_intermediates, set_qkv_capture
 from fp8rl_jax.models.fused import fused_projections, split_tensors, unfused_projections

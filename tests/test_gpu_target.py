@@ -251,7 +251,7 @@ def test_compile_error_summary_keeps_the_cause_and_the_project_frames():
                      "ValueError: Query, key and value should have same sharding.", "\t", "",
                      "Suspected Python Code Location:",
                      "  /work/main/fp8rl_jax/models/decoder.py:280:38 [Attention._attend.<locals>.attention]",
-                     "  /work/main/fp8rl_jax/fp8/kernels.py:228:11 [choose]"])
+                     "  /work/main/fp8rl_jax/kernels/registry.py:228:11 [choose]"])
     out = gd.compile_error_summary(RuntimeError(msg)).splitlines()
     assert out[0] == "RuntimeError: INTERNAL: custom_partitioner: Traceback (most recent call last):"
     assert out[1] == "ValueError: Query, key and value should have same sharding."

@@ -303,7 +303,7 @@ def test_fp8_training_experts_on_the_cpu_are_unchanged_by_the_cuda_tile_edge():
     import jax.numpy as jnp
     from flax import nnx
 
-    from fp8rl_jax.fp8 import kernels
+    from fp8rl_jax.kernels import registry
     from fp8rl_jax.fp8.training import make_fp8_train_dot_general
 
     cfg, blk = _block("dense", seed=4)
@@ -316,9 +316,9 @@ def test_fp8_training_experts_on_the_cpu_are_unchanged_by_the_cuda_tile_edge():
     def run():  # a fresh function per mode: the mode is read when the program is traced
         return nnx.jit(nnx.value_and_grad(lambda m, v: jnp.sum(m(v) ** 2), argnums=(0, 1)))(blk, x)
 
-    with kernels.kernel_mode_scope("auto"):
+    with registry.kernel_mode_scope("auto"):
         loss_a, (g_a, gx_a) = run()
-    with kernels.kernel_mode_scope("xla"):
+    with registry.kernel_mode_scope("xla"):
         loss_x, (g_x, gx_x) = run()
     assert float(loss_a) == float(loss_x)
     np.testing.assert_array_equal(np.asarray(gx_a), np.asarray(gx_x))

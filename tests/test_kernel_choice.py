@@ -20,7 +20,9 @@ import numpy as np
 import pytest
 from jax import lax
 
-from fp8rl_jax.fp8 import formats, kernels
+from fp8rl_jax.fp8 import formats
+
+from fp8rl_jax.kernels import registry
 from fp8rl_jax.gpu_target import lowering_for_h100
 
 S = jax.ShapeDtypeStruct
@@ -45,33 +47,34 @@ def _kernel_calls(text: str) -> int:
 
 
 def test_mode_from_env_setter_and_named_errors(monkeypatch):
-    monkeypatch.delenv(kernels.ENV_VAR, raising=False)
-    kernels.set_kernel_mode(None)
-    assert kernels.kernel_mode() == "auto"
-    monkeypatch.setenv(kernels.ENV_VAR, "XLA")
-    assert kernels.kernel_mode() == "xla"
-    monkeypatch.setenv(kernels.ENV_VAR, "triton")
+    monkeypatch.delenv(registry.ENV_VAR, raising=False)
+    registry.set_kernel_mode(None)
+    assert registry.kernel_mode() == "auto"
+    monkeypatch.setenv(registry.ENV_VAR, "XLA")
+    assert registry.kernel_mode() == "xla"
+    monkeypatch.setenv(registry.ENV_VAR, "triton")
     with pytest.raises(ValueError, match=r"FP8RL_KERNELS='triton' is not a kernel mode"):
-        kernels.kernel_mode()
-    with kernels.kernel_mode_scope("pallas"):  # the setter wins over the environment
-        assert kernels.kernel_mode() == "pallas"
+        registry.kernel_mode()
+    with registry.kernel_mode_scope("pallas"):  # the setter wins over the environment
+        assert registry.kernel_mode() == "pallas"
     with pytest.raises(ValueError, match="not a kernel mode"):
-        kernels.set_kernel_mode("fast")
-    monkeypatch.delenv(kernels.ENV_VAR)
-    assert kernels.kernel_mode() == "auto"
+        registry.set_kernel_mode("fast")
+    monkeypatch.delenv(registry.ENV_VAR)
+    assert registry.kernel_mode() == "auto"
 
 
 def test_xla_mode_compiles_no_kernel_for_cuda():
     """``FP8RL_KERNELS=xla`` (here the setter): the CUDA program of an FP8 linear (M=200: the Mosaic GPU GEMM) and of
     the export (the Triton quantizer) has no Pallas kernel; ``auto`` has them."""
-    from fp8rl_jax.fp8 import linear, pallas_quant
+    from fp8rl_jax.fp8 import linear
+    from fp8rl_jax.kernels import pallas_quant
 
     args = (S((200, 256), jnp.bfloat16), S((256, 256), E4M3), S((2, 2), jnp.float32))
     for mode, want in (("auto", True), ("xla", False)):
         # new functions per mode: the mode is read when a program is traced (set it before the first call)
         gemm = lambda x, w, s: linear.w8a8_block_matmul(x, w, s)  # noqa: E731
         quant = lambda w: pallas_quant.quantize_weights_batched([w], check=False)  # noqa: E731
-        with kernels.kernel_mode_scope(mode):
+        with registry.kernel_mode_scope(mode):
             assert (_kernel_calls(_cuda_text(gemm, *args)) > 0) == want, mode
             assert (_kernel_calls(_cuda_text(quant, S((256, 256), jnp.bfloat16))) > 0) == want, mode
 
@@ -106,42 +109,42 @@ def test_train_config_kernels_reach_the_switch(tmp_path, monkeypatch):
 @pytest.fixture
 def cpu_as_gpu(monkeypatch):
     """The CPU stands in for "the CUDA device" of the self-test machinery; results are reset before and after."""
-    monkeypatch.setattr(kernels, "cuda_device", lambda: jax.devices("cpu")[0])
-    monkeypatch.setattr(kernels, "_results", {})
-    monkeypatch.setattr(kernels, "_failures", {})
-    kernels.set_kernel_mode("auto")
+    monkeypatch.setattr(registry, "cuda_device", lambda: jax.devices("cpu")[0])
+    monkeypatch.setattr(registry, "_results", {})
+    monkeypatch.setattr(registry, "_failures", {})
+    registry.set_kernel_mode("auto")
     yield
-    kernels.set_kernel_mode(None)
+    registry.set_kernel_mode(None)
 
 
 def test_failed_selftest_warns_once_and_falls_back_to_xla(cpu_as_gpu, monkeypatch):
     def broken():
-        raise kernels.KernelMismatch("e4m3 codes differ in 3 of 100 values")
+        raise registry.KernelMismatch("e4m3 codes differ in 3 of 100 values")
 
-    monkeypatch.setitem(kernels._selftests, "w8a8_gemm", broken)
+    monkeypatch.setitem(registry._selftests, "w8a8_gemm", broken)
     calls = []
     kernel = lambda x: calls.append("kernel") or x * 2  # noqa: E731
     xla = lambda x: calls.append("xla") or x * 3  # noqa: E731
     with pytest.warns(RuntimeWarning, match=r"W8A8 blockwise FP8 GEMM .* failed its self-test .*e4m3 codes differ.*"
                                             r"FP8RL_KERNELS=pallas forces"):
-        out = kernels.choose("w8a8_gemm", jnp.ones(3), kernel=kernel, xla=xla)
+        out = registry.choose("w8a8_gemm", jnp.ones(3), kernel=kernel, xla=xla)
     np.testing.assert_array_equal(out, 3.0)
     assert calls == ["xla"]  # the kernel is not even staged
-    assert kernels.selftest_failures() == {"w8a8_gemm": "KernelMismatch: e4m3 codes differ in 3 of 100 values"}
+    assert registry.selftest_failures() == {"w8a8_gemm": "KernelMismatch: e4m3 codes differ in 3 of 100 values"}
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # once per process
-        assert kernels.use_kernel("w8a8_gemm") is False
-    with kernels.kernel_mode_scope("pallas"):  # forced: the kernel despite the failed test
-        assert kernels.use_kernel("w8a8_gemm") is True
+        assert registry.use_kernel("w8a8_gemm") is False
+    with registry.kernel_mode_scope("pallas"):  # forced: the kernel despite the failed test
+        assert registry.use_kernel("w8a8_gemm") is True
 
 
 def test_selftest_runs_once_even_mid_trace(cpu_as_gpu, monkeypatch):
     runs = []
-    monkeypatch.setitem(kernels._selftests, "quant", lambda: runs.append(float(jnp.sum(jnp.ones(4)))))
+    monkeypatch.setitem(registry._selftests, "quant", lambda: runs.append(float(jnp.sum(jnp.ones(4)))))
 
     @jax.jit
     def f(x):  # the self-test runs while f is being traced (its own eager computation, in another thread)
-        return kernels.choose("quant", x, kernel=lambda a: a + 1, xla=lambda a: a - 1)
+        return registry.choose("quant", x, kernel=lambda a: a + 1, xla=lambda a: a - 1)
 
     np.testing.assert_array_equal(f(jnp.zeros(2)), -1.0)  # computed on the CPU: the XLA branch
     f(jnp.zeros(3))
@@ -151,10 +154,10 @@ def test_selftest_runs_once_even_mid_trace(cpu_as_gpu, monkeypatch):
 def test_a_family_without_a_registered_selftest_fails_it(cpu_as_gpu, monkeypatch):
     """A kernel whose module never registered its self-test is not trusted untested (the grouped-expert module was
     once imported only inside its kernel branch, after the choice)."""
-    monkeypatch.delitem(kernels._selftests, "grouped_experts", raising=False)
+    monkeypatch.delitem(registry._selftests, "grouped_experts", raising=False)
     with pytest.warns(RuntimeWarning, match=r"grouped W8A8 MoE expert GEMM .* failed its self-test .*no self-test "
                                             r"registered for kernel family 'grouped_experts'"):
-        assert kernels.use_kernel("grouped_experts") is False
+        assert registry.use_kernel("grouped_experts") is False
 
 
 def test_the_registering_modules_are_imported_with_the_model():
@@ -163,7 +166,7 @@ def test_the_registering_modules_are_imported_with_the_model():
     import fp8rl_jax.models.moe  # noqa: F401
     import fp8rl_jax.rollout.engine  # noqa: F401
 
-    assert set(kernels._selftests) == set(kernels.FAMILIES)
+    assert set(registry._selftests) == set(registry.FAMILIES)
 
 
 def test_a_choice_inside_a_selftest_does_not_wait(cpu_as_gpu, monkeypatch):
@@ -176,26 +179,26 @@ def test_a_choice_inside_a_selftest_does_not_wait(cpu_as_gpu, monkeypatch):
 
     def outer():
         runs.append("w8a8_gemm")
-        out = kernels.choose("decode_gemm", jnp.ones(2), kernel=lambda a: a + 1, xla=lambda a: a - 1)
+        out = registry.choose("decode_gemm", jnp.ones(2), kernel=lambda a: a + 1, xla=lambda a: a - 1)
         runs.append(float(out[0]))
 
-    monkeypatch.setitem(kernels._selftests, "w8a8_gemm", outer)
-    monkeypatch.setitem(kernels._selftests, "decode_gemm", inner)
-    assert kernels.use_kernel("w8a8_gemm") is True
+    monkeypatch.setitem(registry._selftests, "w8a8_gemm", outer)
+    monkeypatch.setitem(registry._selftests, "decode_gemm", inner)
+    assert registry.use_kernel("w8a8_gemm") is True
     assert runs == ["w8a8_gemm", 0.0]  # eager on the CPU: the XLA branch; decode_gemm's own test not run from there
-    assert kernels.use_kernel("decode_gemm") is True and runs[-1] == "decode_gemm"
+    assert registry.use_kernel("decode_gemm") is True and runs[-1] == "decode_gemm"
 
 
 def test_choose_without_a_family_is_the_platform_branch(cpu_as_gpu, monkeypatch):
     """``choose(None, ...)``: XLA's own CUDA path (e.g. its FP8 dot for e5m2 x e4m3): no self-test gates it, and the
     kernel mode does not either; lowered for CUDA it is the ``kernel`` branch."""
-    monkeypatch.setitem(kernels._selftests, "w8a8_gemm", lambda: pytest.fail("no self-test may run"))
+    monkeypatch.setitem(registry._selftests, "w8a8_gemm", lambda: pytest.fail("no self-test may run"))
 
     def f(x):
-        return kernels.choose(None, x, kernel=lambda a: a + 1, xla=lambda a: a - 1)
+        return registry.choose(None, x, kernel=lambda a: a + 1, xla=lambda a: a - 1)
 
     np.testing.assert_array_equal(f(jnp.ones(2)), 0.0)
-    with kernels.kernel_mode_scope("xla"):
+    with registry.kernel_mode_scope("xla"):
         cuda = _cuda_text(f, S((2,), jnp.float32))
     assert "stablehlo.add" in cuda and "stablehlo.subtract" not in cuda
     assert "stablehlo.subtract" in _cpu_text(f, S((2,), jnp.float32))
@@ -206,7 +209,7 @@ def test_each_kernel_selftest_passes_and_catches_a_wrong_kernel(family, monkeypa
     """Every Triton family's self-test and the swap-AB decode GEMM's (in interpret mode here) passes with the real kernel and raises KernelMismatch
     when the kernel's result is off: scaled by 1 + 2**-12 (a wrong scale), or one e4m3 code flipped (quant). The
     ``w8a8_gemm`` family's (the Mosaic GPU GEMM) is tested in test_wgmma_paths.py."""
-    from fp8rl_jax.fp8 import pallas_attention, pallas_grouped, pallas_quant
+    from fp8rl_jax.kernels import pallas_attention, pallas_grouped, pallas_quant
     from fp8rl_jax.kernels import decode_gemm_mgpu
 
     mod, fns = {"quant": (pallas_quant, ["_pallas_quantize_3d"]), "decode_gemm": (decode_gemm_mgpu, ["_partials"]),
@@ -215,7 +218,7 @@ def test_each_kernel_selftest_passes_and_catches_a_wrong_kernel(family, monkeypa
     test = {"quant": pallas_quant._selftest_quant, "decode_gemm": decode_gemm_mgpu._selftest_decode_gemm,
             "grouped_experts": pallas_grouped._selftest_grouped_experts,
             "fp8_kv_attention": pallas_attention._selftest_fp8_kv_attention}[family]
-    assert kernels._selftests[family] is test  # registered at import
+    assert registry._selftests[family] is test  # registered at import
     real = {fn: getattr(mod, fn) for fn in fns}
 
     def interpreted(fn):
@@ -242,7 +245,7 @@ def test_each_kernel_selftest_passes_and_catches_a_wrong_kernel(family, monkeypa
     for fn in fns:  # each kernel of the family wrong in turn
         for other in fns:
             monkeypatch.setattr(mod, other, wrong(other) if other == fn else interpreted(other))
-        with pytest.raises(kernels.KernelMismatch):
+        with pytest.raises(registry.KernelMismatch):
             test()
 
 

@@ -47,7 +47,7 @@ import pytest
 
 from fp8rl_jax.fp8.formats import CONTRACT
 from fp8rl_jax.gpu_target import H100_SXM_TARGET_CONFIG as H100_TARGET_CONFIG
-from fp8rl_jax.fp8.mosaic_gemm import (MosaicGemmConfig, batched_w8a8_matmul, default_config, fitted_config,
+from fp8rl_jax.kernels.mosaic_gemm import (MosaicGemmConfig, batched_w8a8_matmul, default_config, fitted_config,
                                        mosaic_grouped_w8a8_matmul, mosaic_w8a8_matmul)
 from fp8_numpy_ref import quantize_blocks
 
@@ -304,7 +304,7 @@ _COMPILE_SCRIPT = textwrap.dedent("""
     import jax, jax.numpy as jnp
     from jax.experimental import topologies
     from jax.sharding import NamedSharding, PartitionSpec as P
-    from fp8rl_jax.fp8.mosaic_gemm import mosaic_grouped_w8a8_matmul, mosaic_w8a8_matmul
+    from fp8rl_jax.kernels.mosaic_gemm import mosaic_grouped_w8a8_matmul, mosaic_w8a8_matmul
 
     cases, target, out_dir = json.loads(sys.argv[1]), sys.argv[2], sys.argv[3]
     topo = topologies.get_topology_desc(platform="cuda", target_config=target, topology="1x1x1")

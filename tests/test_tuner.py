@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fp8rl_jax.fp8 import kernels
+from fp8rl_jax.kernels import registry
 from fp8rl_jax.kernels import tuner
 from fp8rl_jax.kernels.tuner import Candidate
 
@@ -80,10 +80,10 @@ def isolated(tmp_path, monkeypatch):
     """A fresh tuner: its own cache and shipped directories, mode from a clean environment, progress captured."""
     monkeypatch.setenv(tuner.CACHE_ENV_VAR, str(tmp_path / "cache"))
     monkeypatch.setattr(tuner, "_SHIPPED_ROOT", tmp_path / "shipped")
-    for var in (tuner.ENV_VAR, tuner.BUDGET_ENV_VAR, tuner.TIMER_ENV_VAR, kernels.ENV_VAR):
+    for var in (tuner.ENV_VAR, tuner.BUDGET_ENV_VAR, tuner.TIMER_ENV_VAR, registry.ENV_VAR):
         monkeypatch.delenv(var, raising=False)
     tuner.set_autotune_mode(None)
-    kernels.set_kernel_mode(None)
+    registry.set_kernel_mode(None)
     tuner.reset()
     lines: list[str] = []
     tuner.set_progress(lines.append)
@@ -96,8 +96,8 @@ def isolated(tmp_path, monkeypatch):
 @pytest.fixture
 def gpu(monkeypatch):
     """The stand-in CUDA device; the decode_gemm family's self-test counts as passed."""
-    monkeypatch.setattr(kernels, "cuda_device", lambda: FakeGPU())
-    monkeypatch.setitem(kernels._results, "decode_gemm", True)
+    monkeypatch.setattr(registry, "cuda_device", lambda: FakeGPU())
+    monkeypatch.setitem(registry._results, "decode_gemm", True)
     return FakeGPU()
 
 
@@ -209,7 +209,7 @@ def test_select_argument_errors(gpu):
 
 
 def test_no_cuda_device_gives_default_without_timing(monkeypatch, isolated):
-    monkeypatch.setattr(kernels, "cuda_device", lambda: None)
+    monkeypatch.setattr(registry, "cuda_device", lambda: None)
     cands = _three()
     assert tuner.select("decode_gemm", KEY, cands, _never, timer=_never_timer) is cands[0]
     assert tuner.select("decode_gemm", KEY, cands, _never, default=2, timer=_never_timer) is cands[2]
@@ -231,7 +231,7 @@ def test_inside_a_kernel_selftest_gives_default(gpu):
     result = []
 
     def in_selftest():
-        kernels._selftest_thread.active = True
+        registry._selftest_thread.active = True
         result.append(tuner.select("decode_gemm", KEY, cands, _never, timer=_never_timer))
 
     t = threading.Thread(target=in_selftest)
@@ -286,8 +286,8 @@ def test_failing_mismatching_and_refused_candidates_are_excluded(gpu, isolated, 
         raise AssertionError("a refused family's candidate must not even be compiled")
 
     refused_run.t_us = 0.5
-    monkeypatch.setitem(kernels._results, "grouped_experts", False)
-    monkeypatch.setitem(kernels._failures, "grouped_experts", "KernelMismatch: error up to 1e+03x")
+    monkeypatch.setitem(registry._results, "grouped_experts", False)
+    monkeypatch.setitem(registry._failures, "grouped_experts", "KernelMismatch: error up to 1e+03x")
     cands = [Candidate("xla", None, _run(40.0)),
              Candidate("compile-error", None, _run(1.0, not_traceable)),
              Candidate("run-error", None, _run(2.0, lambda x: jax.pure_callback(_boom, x, x))),
@@ -321,13 +321,13 @@ def test_failing_mismatching_and_refused_candidates_are_excluded(gpu, isolated, 
 
 
 def test_fp8rl_kernels_xla_refuses_every_kernel_family(gpu):
-    kernels.set_kernel_mode("xla")
+    registry.set_kernel_mode("xla")
     try:
         cands = _three()
         assert tuner.select("decode_gemm", KEY, cands, _args, timer=FakeTimer()) is cands[0]
         assert tuner.report()[0]["excluded"]["swapab(stages=6,splits=4)"] == "family decode_gemm: FP8RL_KERNELS=xla"
     finally:
-        kernels.set_kernel_mode(None)
+        registry.set_kernel_mode(None)
 
 
 def test_failed_reference_excludes_everything_and_warns(gpu):
@@ -405,7 +405,7 @@ def test_stored_choice_of_a_failed_family_is_not_used(gpu, monkeypatch):
     tuner.set_autotune_mode("cached")
     _write_table(tuner.shipped_table_path("decode_gemm", H100), {tuner.canonical_key(KEY): {
         jax.__version__: _entry({"xla": 40.0, "swapab(stages=6,splits=4)": 5.0, "swapab(stages=4,splits=2)": 7.0})}})
-    monkeypatch.setitem(kernels._results, "decode_gemm", False)
+    monkeypatch.setitem(registry._results, "decode_gemm", False)
     cands = _three()
     assert tuner.select("decode_gemm", KEY, cands, _never, timer=_never_timer) is cands[0]
     assert tuner.report()[0]["excluded"]["swapab(stages=6,splits=4)"].startswith("family decode_gemm: self-test")
@@ -514,7 +514,7 @@ def test_budget_zero_times_nothing(gpu, monkeypatch):
 
 def test_report_and_format_report(gpu, monkeypatch):
     tuner.select("decode_gemm", KEY, _three(), _args, timer=FakeTimer())
-    monkeypatch.setattr(kernels, "cuda_device", lambda: None)
+    monkeypatch.setattr(registry, "cuda_device", lambda: None)
     tuner.select("prefill_gemm", {"N": 64}, _three(), _never)
     text = tuner.format_report().splitlines()
     assert text == ["decode_gemm K=128 M<=8 N=64: swapab(stages=6,splits=4) [tuned] 12.0 us",

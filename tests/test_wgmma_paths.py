@@ -46,7 +46,8 @@ import pytest
 import fp8_numpy_ref as ref
 from hlo_calls import is_kernel, triton_launches
 from fp8rl_jax.fp8 import dot_general as dg
-from fp8rl_jax.fp8 import formats, kernels, linear, mosaic_gemm, training
+from fp8rl_jax.fp8 import formats, linear, training
+from fp8rl_jax.kernels import registry, mosaic_gemm
 from fp8rl_jax.gpu_target import lowering_for_h100
 
 S = jax.ShapeDtypeStruct
@@ -93,7 +94,7 @@ def float32_bound(a, kb):
 def test_linear_mosaic_matches_float64_formula(lead, m, dtype):
     """``w8a8_block_matmul(impl="mosaic")``: the activations quantized in 1x128 groups (XLA), then the kernel in
     Mosaic GPU's interpreter. N = 60 and K = 200 are ragged (zero padding to 64 and 256); at N = 60 every M takes the
-    64 x 64 tiles (a 128 x 128 grid would occupy a few of the 132 SMs: :func:`~fp8rl_jax.fp8.mosaic_gemm.
+    64 x 64 tiles (a 128 x 128 grid would occupy a few of the 132 SMs: :func:`~fp8rl_jax.kernels.mosaic_gemm.
     default_config`; the 128 x 128 configuration's numerics are tests/test_mosaic_gemm.py's, its PTX (c) below):
     M = 520 is 9 CTA rows, the last one 8 rows deep; ``[5, 13, K]`` is a 65-row GEMM (two 64-row CTAs). bfloat16
     cases: bfloat16 activations in, bfloat16 written by the kernel's epilogue. Tolerance: the float32 bound
@@ -138,7 +139,7 @@ def test_w8a8_gemm_selftest_is_the_mosaic_kernels_and_catches_a_wrong_one(monkey
     tiles, grouped 1D1D on 64 x 64 tiles), and a kernel whose result is off by 2**-6 (a wrong scale) or that drops
     the last K block fails with KernelMismatch. Those wrong kernels are stood in by a float64-exact XLA evaluation
     (fast), perturbed."""
-    assert kernels._selftests["w8a8_gemm"] is mosaic_gemm._selftest_w8a8_gemm
+    assert registry._selftests["w8a8_gemm"] is mosaic_gemm._selftest_w8a8_gemm
     t = time.perf_counter()
     mosaic_gemm._selftest_w8a8_gemm(interpret=True)
     print(f"self-test in interpret mode: {time.perf_counter() - t:.1f} s")
@@ -164,7 +165,7 @@ def test_w8a8_gemm_selftest_is_the_mosaic_kernels_and_catches_a_wrong_one(monkey
     for how in ("scale", "drop"):
         monkeypatch.setattr(mosaic_gemm, "_dense", lambda *a, **kw: fake_dense(*a, **kw, how=how))
         monkeypatch.setattr(mosaic_gemm, "_grouped", lambda *a, **kw: fake_grouped(*a, **kw, how=how))
-        with pytest.raises(kernels.KernelMismatch):
+        with pytest.raises(registry.KernelMismatch):
             mosaic_gemm._selftest_w8a8_gemm(interpret=True)
     monkeypatch.setattr(mosaic_gemm, "_dense", lambda *a, **kw: fake_dense(*a, **kw, how="none"))
     monkeypatch.setattr(mosaic_gemm, "_grouped", lambda *a, **kw: fake_grouped(*a, **kw, how="none"))
@@ -181,9 +182,10 @@ def test_a_jax_without_the_mosaic_api_imports_and_falls_back_to_xla():
         sys.modules["jax.experimental.pallas.mosaic_gpu"] = None
         import jax, jax.numpy as jnp
         import fp8rl_jax.fp8, fp8rl_jax.models.moe, fp8rl_jax.fp8.training
-        from fp8rl_jax.fp8 import kernels, linear
+        from fp8rl_jax.fp8 import linear
+        from fp8rl_jax.kernels import registry
         from fp8rl_jax.gpu_target import lowering_for_h100
-        kernels.cuda_device = lambda: jax.devices("cpu")[0]
+        registry.cuda_device = lambda: jax.devices("cpu")[0]
         S = jax.ShapeDtypeStruct
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -193,7 +195,7 @@ def test_a_jax_without_the_mosaic_api_imports_and_falls_back_to_xla():
                 ).lower(lowering_platforms=("cuda",)).as_text()
         assert "mosaic_gpu" not in hlo, "the Mosaic kernel was staged"
         assert any("failed its self-test" in str(w.message) for w in caught), [str(w.message) for w in caught]
-        assert "mosaic_gpu" in kernels.selftest_failures()["w8a8_gemm"], kernels.selftest_failures()
+        assert "mosaic_gpu" in registry.selftest_failures()["w8a8_gemm"], registry.selftest_failures()
         print("ok")
     """)
     env = {**os.environ, "PYTHONPATH": str(REPO)}
@@ -273,7 +275,7 @@ def test_linear_lowers_to_one_kernel_chosen_by_m(m, want):
 
 
 def test_xla_mode_lowers_no_kernel():
-    with kernels.kernel_mode_scope("xla"):
+    with registry.kernel_mode_scope("xla"):
         assert launches(_cuda(lambda *a: linear.w8a8_block_matmul(*a), *_linear_args(300))) == collections.Counter()
 
 
@@ -514,7 +516,7 @@ GPU_RTOL = 1e-3
 #: already ~6e-2. The dense GEMM keeps ``GPU_RTOL``: it has no requantization inside. The mechanism is checked on the
 #: CPU (test_requantization_amplifies_gemm_error_within_the_moe_bound).
 MOE_GPU_RTOL = GPU_RTOL + 2 * (2 * GPU_RTOL * 2.0 ** -3) ** 0.5
-needs_gpu = pytest.mark.skipif(kernels.cuda_device() is None, reason="needs a CUDA GPU (none on this machine)")
+needs_gpu = pytest.mark.skipif(registry.cuda_device() is None, reason="needs a CUDA GPU (none on this machine)")
 
 
 def _rel(got, want):
@@ -555,9 +557,9 @@ def test_on_gpu_linear_auto_runs_the_chosen_kernel_and_matches_float64(m):
     """On the GPU: the ``w8a8_gemm`` (Mosaic) and ``decode_gemm`` self-tests pass; the engine's FP8 linear runs the
     decode kernel at M = 1 and the Mosaic GEMM at M = 100, 128, 4096, within :data:`GPU_RTOL` of the float64
     formula."""
-    assert kernels.selftest_passed("w8a8_gemm") and kernels.selftest_passed("decode_gemm"), \
-        kernels.selftest_failures()
-    dev = kernels.cuda_device()
+    assert registry.selftest_passed("w8a8_gemm") and registry.selftest_passed("decode_gemm"), \
+        registry.selftest_failures()
+    dev = registry.cuda_device()
     x, wq, ws = _linear_case(m, 640, 1024, seed=m)
     args = [jax.device_put(a, dev) for a in (x, wq, ws)]
     f = jax.jit(lambda *a: linear.w8a8_block_matmul(*a, out_dtype=jnp.float32))
@@ -575,7 +577,7 @@ def test_on_gpu_fp8_training_e4m3_runs_three_mosaic_gemms_and_matches_float64():
     the Mosaic kernel; each within :data:`GPU_RTOL` of the float64 formulas (tests/test_fp8_training.py)."""
     from test_fp8_training import DN_NK, _e4m3_reference
 
-    dev = kernels.cuda_device()
+    dev = registry.cuda_device()
     rng = np.random.default_rng(5)
     x = rng.standard_normal((512, 1024)).astype(np.float32)
     w = (rng.standard_normal((640, 1024)) * 0.03).astype(np.float32)
@@ -606,7 +608,7 @@ def test_on_gpu_moe_prefill_runs_the_mosaic_experts_and_matches_float64():
     from fp8rl_jax.models.moe import SparseMoeBlock, tiny_qwen3_moe_config
     from test_stacked_experts import _reference
 
-    dev = kernels.cuda_device()
+    dev = registry.cuda_device()
     cfg = tiny_qwen3_moe_config(64, hidden_size=256, moe_intermediate_size=128, num_experts=4, num_experts_per_tok=2)
     rng = np.random.default_rng(6)
     with jax.default_device(dev):

@@ -20,7 +20,7 @@ from _timing import T0, record, timed
 def main():
     from fp8rl_jax.fp8 import linear
     from fp8rl_jax.fp8.quant import quantize_activation_groupwise, quantize_weight_blockwise
-    from fp8rl_jax.fp8.pallas_decode import fused_w8a8_decode_matmul
+    from fp8rl_jax.kernels.pallas_decode import fused_w8a8_decode_matmul
     from fp8rl_jax.kernels import decode_gemm_mgpu as dg
 
     if jax.devices()[0].platform != "gpu":

@@ -16,13 +16,13 @@ Implementations (``impl``): ``"dequant"`` dequantizes both operands (``q * s`` r
 power-of-two scales) and runs one float32 (or
 ``dequant_dtype``) matmul; the CPU default. ``"blocked"`` multiplies real e4m3 operands per K-block with
 ``lax.dot_general(..., preferred_element_type=float32)`` and applies the scales in float32.
-``"mosaic"`` is the Mosaic GPU FP8 wgmma GEMM of :mod:`fp8rl_jax.fp8.mosaic_gemm` (Hopper's FP8 tensor cores;
+``"mosaic"`` is the Mosaic GPU FP8 wgmma GEMM of :mod:`fp8rl_jax.kernels.mosaic_gemm` (Hopper's FP8 tensor cores;
 interpret mode where the program is not lowered for CUDA). ``"pallas"`` is the Pallas-Triton GEMM of
-:mod:`fp8rl_jax.fp8.pallas_gemm` (f16 ``mma.sync`` on sm_90; explicit requests only). ``"auto"``: where the program is
+:mod:`fp8rl_jax.kernels.pallas_gemm` (f16 ``mma.sync`` on sm_90; explicit requests only). ``"auto"``: where the program is
 lowered for CUDA, :func:`cuda_gemm_impl` picks by M (the one place): the Triton split-K decode kernel for M <= 64
 (family ``decode_gemm``), the Mosaic kernel otherwise (``w8a8_gemm``), XLA's FP8 dot per K block (``"blocked"``)
 for operands the Mosaic kernel cannot take (e5m2 x e4m3, per-tensor scales); ``"dequant"`` elsewhere
-(:func:`fp8rl_jax.fp8.kernels.choose`). All compute the same sum; only the order of float32 additions differs.
+(:func:`fp8rl_jax.kernels.registry.choose`). All compute the same sum; only the order of float32 additions differs.
 
 Gradients: both functions are differentiable with a straight-through estimator (``custom_vjp``): the
 cotangents are those of the exact ``lax.dot_general`` on the unquantized inputs, in the inputs' precision.
@@ -41,10 +41,12 @@ from jax import lax
 
 from fp8rl_jax.fp8.formats import (ACTIVATION_RECIPE, BLOCK_SIZE, VLLM_TENSOR_NATIVE, WEIGHT_RECIPE, QuantRecipe,
                                    block_amax, compute_scale, fp8_dtype, scale_values, to_f32_exact)
-from fp8rl_jax.fp8 import mosaic_gemm  # registers the w8a8_gemm family's self-test; Mosaic GPU itself loads lazily
-from fp8rl_jax.fp8.kernels import choose, run_pallas
-from fp8rl_jax.fp8.pallas_decode import MAX_DECODE_ROWS
 from fp8rl_jax.fp8.quant import _quantize_blocks, _quantize_groups
+# mosaic_gemm and decode_gemm_mgpu register the w8a8_gemm and decode_gemm families' self-tests when imported, which
+# must happen before a product chooses them (Mosaic GPU itself loads lazily)
+from fp8rl_jax.kernels import decode_gemm_mgpu, mosaic_gemm  # noqa: F401
+from fp8rl_jax.kernels.pallas_decode import MAX_DECODE_ROWS
+from fp8rl_jax.kernels.registry import choose, run_pallas
 
 IMPLS = ("auto", "dequant", "blocked", "pallas", "mosaic")
 
@@ -306,7 +308,7 @@ def scaled_matmul(xq, xs, wq, ws, *, block_size: int = BLOCK_SIZE, impl: str = "
         acc, _ = lax.scan(step, jnp.zeros((bsz, m, n), jnp.float32), (xb, wb, xsb, wsb))
         return acc.astype(out_dtype)
     if impl == "pallas":
-        from fp8rl_jax.fp8.pallas_gemm import pallas_w8a8_matmul
+        from fp8rl_jax.kernels.pallas_gemm import pallas_w8a8_matmul
 
         if w_block_scales is None:
             raise ValueError("scaled_matmul(impl='pallas') needs w_block_scales [B, ceil(N/bs), KB]")
@@ -328,7 +330,7 @@ def scaled_matmul(xq, xs, wq, ws, *, block_size: int = BLOCK_SIZE, impl: str = "
 # The kernel a CUDA program runs: chosen by M, in one place.
 
 #: Canonical products with at most this many rows (one batch) are decode-sized: on CUDA they take the Triton
-#: split-K decode kernel (:mod:`fp8rl_jax.fp8.pallas_decode`, family ``decode_gemm``) when it can compute them.
+#: split-K decode kernel (:mod:`fp8rl_jax.kernels.pallas_decode`, family ``decode_gemm``) when it can compute them.
 DECODE_MAX_ROWS = MAX_DECODE_ROWS
 
 
@@ -364,7 +366,7 @@ def cuda_gemm_impl(m: int, *, batch: int = 1, mosaic_ok: bool = True, decode_ok:
       self-test of a kernel it does not run gates it);
     * everything else, ``M >= 128`` included: ``("w8a8_gemm", "mosaic")``, the Mosaic GPU kernel on e4m3 operands
       (``wgmma...f32.e4m3.e4m3``, DeepGEMM promotion). The band ``64 < M < 128`` takes it too, with 64-row CTAs
-      and 64-column tiles (:func:`fp8rl_jax.fp8.mosaic_gemm.default_config`): the Triton decode kernel is built
+      and 64-column tiles (:func:`fp8rl_jax.kernels.mosaic_gemm.default_config`): the Triton decode kernel is built
       for at most 64 rows (its whole M tile sits in registers beside the split-K accumulator) and the Triton
       tiled GEMM it would otherwise be runs f16 ``mma.sync``; the Mosaic 64-row configuration gives
       ``ceil(M / 64) * N / 64`` CTAs (128 at N = 4096) to stream the weight. Unmeasured (no GPU here): tune on
@@ -372,7 +374,7 @@ def cuda_gemm_impl(m: int, *, batch: int = 1, mosaic_ok: bool = True, decode_ok:
       kernel (its grouped form, one weight per batch).
 
     Returns:
-      ``(kernel family or None, impl)`` for :func:`fp8rl_jax.fp8.kernels.choose` and :func:`scaled_matmul` /
+      ``(kernel family or None, impl)`` for :func:`fp8rl_jax.kernels.registry.choose` and :func:`scaled_matmul` /
       :func:`fp8rl_jax.fp8.linear.w8a8_block_matmul`.
     """
     if decode_ok and batch == 1 and m <= DECODE_MAX_ROWS:
@@ -475,7 +477,7 @@ def fp8_forward_canonical(x, w, cfg: Fp8DotConfig, x_op: OperandQuant | None = N
     Both are quantized here (``x_op`` / ``w_op``, default ``cfg.operands()``) and multiplied with float32
     accumulation. ``cfg.impl == "auto"``: where the program is lowered for CUDA the kernel of
     :func:`cuda_gemm_impl` (by M: the split-K decode kernel for M <= 64, the Mosaic GPU wgmma GEMM otherwise, XLA's
-    FP8 dot for operands Mosaic cannot take; through :func:`fp8rl_jax.fp8.kernels.choose`), ``"dequant"`` elsewhere.
+    FP8 dot for operands Mosaic cannot take; through :func:`fp8rl_jax.kernels.registry.choose`), ``"dequant"`` elsewhere.
 
     Args:
       x: ``[B, M, K]`` float (lhs, activations or gradients); w: ``[B, N, K]`` float (rhs).
@@ -522,7 +524,7 @@ def _forward_with(x, w, cfg: Fp8DotConfig, x_op: OperandQuant, w_op: OperandQuan
                                       interpret=bool(interpret) if interpret is not None else False)[None]
         impl = "fused"
     if impl == "fused":  # the split-K decode kernel quantizes x itself (decode_operands); one batch (cuda_gemm_impl)
-        from fp8rl_jax.fp8.pallas_decode import fused_w8a8_decode_matmul
+        from fp8rl_jax.kernels.pallas_decode import fused_w8a8_decode_matmul
 
         dt, mx = _fmt(w_op.fp8)
         wq, wsb = _quantize_blocks(w, bn=bs, bk=bs, ue8m0=False, fp8_dtype=dt, fp8_max=mx, recipe=w_op.recipe)

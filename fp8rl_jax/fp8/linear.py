@@ -5,10 +5,10 @@
 evaluated as ``dequant(xq) @ dequant(wq).T`` in float32, which is the same sum (only the order of fp32 additions
 differs); lowered for CUDA it runs kernels on real e4m3 operands, picked by the number of rows M
 (:func:`fp8rl_jax.fp8.dot_general.cuda_gemm_impl`, the one place): for ``M <= 64`` rows (decode) the one-launch
-split-K Triton kernel that quantizes the activations in its prologue (:mod:`fp8rl_jax.fp8.pallas_decode`, kernel
+split-K Triton kernel that quantizes the activations in its prologue (:mod:`fp8rl_jax.kernels.pallas_decode`, kernel
 family ``decode_gemm``), above that group quantization (XLA) then the Mosaic GPU GEMM on Hopper's FP8 tensor cores
-(``wgmma...e4m3.e4m3``, :mod:`fp8rl_jax.fp8.mosaic_gemm`, ``w8a8_gemm``), which writes ``out_dtype`` directly. The
-family's self-test and ``FP8RL_KERNELS`` apply (:func:`fp8rl_jax.fp8.kernels.choose`).
+(``wgmma...e4m3.e4m3``, :mod:`fp8rl_jax.kernels.mosaic_gemm`, ``w8a8_gemm``), which writes ``out_dtype`` directly. The
+family's self-test and ``FP8RL_KERNELS`` apply (:func:`fp8rl_jax.kernels.registry.choose`).
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ import jax.numpy as jnp
 
 from fp8rl_jax.fp8.dot_general import cuda_gemm_impl, scaled_matmul
 from fp8rl_jax.fp8.formats import ACTIVATION_RECIPE, BLOCK_SIZE
-from fp8rl_jax.fp8.kernels import choose
-from fp8rl_jax.fp8.mosaic_gemm import FP8_OPERAND_DTYPES
-from fp8rl_jax.fp8.pallas_decode import fused_w8a8_decode_matmul
+from fp8rl_jax.kernels.registry import choose
+from fp8rl_jax.kernels.mosaic_gemm import FP8_OPERAND_DTYPES
+from fp8rl_jax.kernels.pallas_decode import fused_w8a8_decode_matmul
 from fp8rl_jax.fp8.quant import _quantize_groups
 
 IMPLS = ("auto", "dequant", "blocked", "pallas", "fused", "mosaic", "swapab")
@@ -38,7 +38,7 @@ def w8a8_block_matmul(x: jnp.ndarray, weight: jnp.ndarray, weight_scale_inv: jnp
     (``(weight * (x * rsqrt(sum_sq / K + eps))).astype(x.dtype)`` in float32, ``sum_sq [..., 1]`` = ``sum(x**2)``);
     ``gated=True`` takes ``weight`` as a fused ``[gate; up]`` and returns ``silu(gate) * up``; ``residual`` is added
     to the result (``residual + y``). Lowered for CUDA with ``M <= 64`` rows they run inside the decode kernel
-    (:func:`fp8rl_jax.fp8.pallas_decode.fused_w8a8_decode_matmul`: one launch instead of up to four); elsewhere
+    (:func:`fp8rl_jax.kernels.pallas_decode.fused_w8a8_decode_matmul`: one launch instead of up to four); elsewhere
     they are the separate ops.
 
     Args:
@@ -146,7 +146,7 @@ def _matmul(x, weight, weight_scale_inv, block_size, out_dtype, impl, interpret=
                               fp8_max=float(jnp.finfo(weight.dtype).max), recipe=ACTIVATION_RECIPE)
     ws = weight_scale_inv.astype(jnp.float32)
     if impl == "swapab":  # decode: the swap-AB split-K kernel; its split sums reduce in XLA (with the neighbours)
-        from fp8rl_jax.fp8.kernels import on_cuda
+        from fp8rl_jax.kernels.registry import on_cuda
         from fp8rl_jax.kernels.decode_gemm_mgpu import decode_w8a8_matmul
 
         if jnp.dtype(weight.dtype) != jnp.dtype(jnp.float8_e4m3fn) or xq.shape[1] > 64:

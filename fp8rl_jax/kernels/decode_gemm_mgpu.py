@@ -36,7 +36,7 @@ kept at most 2 steps in flight per program and ran f16 ``mma.sync``; on an H200 
 
 Semantics: vLLM's W8A8 blockwise contract, ``y[m, n] = sum_kb (xq[m, kb] . wq[n, kb]) * xs[m, kb] * ws[n // 128,
 kb]`` with DeepGEMM's promotion (each K block's wgmma partial starts at zero in float32 and is scaled before it is
-added), exactly the numerics of :func:`fp8rl_jax.fp8.mosaic_gemm.mosaic_w8a8_matmul` per K block; the split-K
+added), exactly the numerics of :func:`fp8rl_jax.kernels.mosaic_gemm.mosaic_w8a8_matmul` per K block; the split-K
 partial sums add in another order (float32 rounding of ``splits`` terms).
 
 Interpret mode (``interpret=True``) runs the same kernel in Mosaic GPU's interpreter on the CPU (tests).
@@ -55,7 +55,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from fp8rl_jax.fp8.formats import BLOCK_SIZE
-from fp8rl_jax.fp8.mosaic_gemm import (HOPPER_SMEM_BYTES, SMEM_MARGIN_BYTES, WG_ROWS, _interpret_params, _pad_to,
+from fp8rl_jax.kernels.mosaic_gemm import (HOPPER_SMEM_BYTES, SMEM_MARGIN_BYTES, WG_ROWS, _interpret_params, _pad_to,
                                        _swizzled, check_operands)
 
 #: SMs of an H100 SXM / H200 (both 132)
@@ -117,7 +117,7 @@ class DecodeGemmConfig:
 
     def smem_bytes(self, m_pad: int) -> int:
         """Shared memory of a CTA: the ring and the float32 output tile (two for stream-K; Mosaic adds barriers:
-        :data:`fp8rl_jax.fp8.mosaic_gemm.SMEM_MARGIN_BYTES`)."""
+        :data:`fp8rl_jax.kernels.mosaic_gemm.SMEM_MARGIN_BYTES`)."""
         out_tiles = 2 if self.stream_k_ctas else 1  # stream-K writes two partial tiles
         return self.stages * self.stage_bytes(m_pad) + out_tiles * self.cta_n * m_pad * 4 + SMEM_MARGIN_BYTES
 
@@ -580,7 +580,7 @@ def decode_w8a8_matmul(xq: jax.Array, xs: jax.Array, wq: jax.Array, ws: jax.Arra
       ``[M, N]`` in ``out_dtype``.
 
     Raises:
-      ValueError: operand shapes/dtypes (:func:`fp8rl_jax.fp8.mosaic_gemm.check_operands`), non-e4m3 operands,
+      ValueError: operand shapes/dtypes (:func:`fp8rl_jax.kernels.mosaic_gemm.check_operands`), non-e4m3 operands,
         ``M`` outside 1..64, a configuration that does not fit or whose ``splits`` does not divide the K blocks.
     """
     m, n = xq.shape[0], wq.shape[0]
@@ -594,15 +594,15 @@ def _selftest_decode_gemm(interpret=False) -> None:
     with two warpgroups and split-K 5, and 3 tokens x ``[128, 640]`` by stream-K (2 one-warpgroup tiles x 5 K blocks
     over 4 CTAs of 3 units: ranges that cross a tile, steps past the end, a tile of 3 CTAs and one of 2, so the
     gather reads its zero block), each against the float64 product of the same e4m3 operands
-    (:func:`fp8rl_jax.fp8.pallas_gemm.w8a8_reference`) to ``2**-10`` of the sum of |terms| (Hopper's FP8 wgmma keeps
-    ~14 bits inside a K block; :data:`fp8rl_jax.fp8.mosaic_gemm.SELFTEST_RTOL`).
+    (:func:`fp8rl_jax.kernels.pallas_gemm.w8a8_reference`) to ``2**-10`` of the sum of |terms| (Hopper's FP8 wgmma keeps
+    ~14 bits inside a K block; :data:`fp8rl_jax.kernels.mosaic_gemm.SELFTEST_RTOL`).
 
     Raises:
-      fp8rl_jax.fp8.kernels.KernelMismatch: a result outside the tolerance; a Mosaic GPU compile error unchanged.
+      fp8rl_jax.kernels.registry.KernelMismatch: a result outside the tolerance; a Mosaic GPU compile error unchanged.
     """
-    from fp8rl_jax.fp8.kernels import check_close
-    from fp8rl_jax.fp8.mosaic_gemm import SELFTEST_RTOL
-    from fp8rl_jax.fp8.pallas_gemm import selftest_operands, w8a8_reference
+    from fp8rl_jax.kernels.registry import check_close
+    from fp8rl_jax.kernels.mosaic_gemm import SELFTEST_RTOL
+    from fp8rl_jax.kernels.pallas_gemm import selftest_operands, w8a8_reference
 
     for (m, n, k, seed), cfg in (((5, 200, 300, 1), DecodeGemmConfig(compute_wgs=1, stages=3, splits=1)),
                                  ((1, 256, 640, 2), DecodeGemmConfig(compute_wgs=2, stages=4, splits=5)),
@@ -614,7 +614,7 @@ def _selftest_decode_gemm(interpret=False) -> None:
 
 
 def _register_selftest() -> None:
-    from fp8rl_jax.fp8.kernels import register_selftest
+    from fp8rl_jax.kernels.registry import register_selftest
 
     register_selftest("decode_gemm", _selftest_decode_gemm)
 

@@ -19,17 +19,17 @@ Modes (:func:`autotune_mode`), set by ``FP8RL_AUTOTUNE=off|cached|on`` in the en
 * ``"on"`` (default): a stored result for this JAX version that covers every current candidate, else every
   candidate is timed on the device now, the fastest kept and written to the user cache.
 
-Without a CUDA device (:func:`fp8rl_jax.fp8.kernels.cuda_device`: a CPU host, a deviceless sm_90a compile), inside a
+Without a CUDA device (:func:`fp8rl_jax.kernels.registry.cuda_device`: a CPU host, a deviceless sm_90a compile), inside a
 kernel self-test and inside a tuning run itself (a candidate whose code calls :func:`select` again), :func:`select`
 returns the default without looking anything up.
 
 Timing ("on"). In a fresh thread (no trace context of the caller, like the kernel self-tests of
-:mod:`fp8rl_jax.fp8.kernels`: :func:`select` may be called while a program is being traced) with the CUDA device as
+:mod:`fp8rl_jax.kernels.registry`: :func:`select` may be called while a program is being traced) with the CUDA device as
 the default device: ``make_args()`` builds the arguments; each candidate is jitted, compiled ahead of time (an
 exception: excluded, "compile: ..."), run (excluded on an exception, "run: ..."), compared with the reference's
 output (relative Frobenius error over all output leaves, float64, at most ``tolerance``; a different structure,
 shape or dtype, a non-finite value or a larger error: excluded, "mismatch: ...") and timed by ``timer(fn, args) ->
-seconds per call``. A candidate whose kernel family may not be used (:func:`fp8rl_jax.fp8.kernels.use_kernel`
+seconds per call``. A candidate whose kernel family may not be used (:func:`fp8rl_jax.kernels.registry.use_kernel`
 false: its self-test failed, or ``FP8RL_KERNELS=xla``) is excluded before anything runs and never chosen, from a
 measurement or a stored table. Exclusions and their reasons are in the stored entry, the progress line and
 :func:`report`.
@@ -102,7 +102,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from fp8rl_jax.fp8 import kernels as _kernels
+from fp8rl_jax.kernels import registry as _kernels
 
 #: values of ``FP8RL_AUTOTUNE`` / :func:`set_autotune_mode` / gin ``train.autotune``
 MODES = ("off", "cached", "on")
@@ -371,8 +371,8 @@ class Candidate:
       config: the tuning configuration (a dataclass instance, stored as ``dataclasses.asdict``; or JSON data; or
         None). A stored entry whose config for this name differs is stale for it.
       run: ``run(*args) -> array`` (or a pytree of arrays), traceable; the tuner jits it.
-      family: the :data:`fp8rl_jax.fp8.kernels.FAMILIES` kernel family it runs, or None (XLA's path): a candidate
-        of a family :func:`fp8rl_jax.fp8.kernels.use_kernel` refuses (failed self-test, ``FP8RL_KERNELS=xla``) is
+      family: the :data:`fp8rl_jax.kernels.registry.FAMILIES` kernel family it runs, or None (XLA's path): a candidate
+        of a family :func:`fp8rl_jax.kernels.registry.use_kernel` refuses (failed self-test, ``FP8RL_KERNELS=xla``) is
         never chosen.
     """
 
@@ -682,7 +682,7 @@ def select(op: str, key: Mapping[str, Any], candidates: Sequence[Candidate], mak
         on the device: concrete arrays, never the caller's tracers).
       default: index of the reference and fallback candidate.
       timer: ``timer(jitted_fn, args) -> seconds per call``; None = ``$FP8RL_AUTOTUNE_TIMER`` (module docstring).
-      device: the device to tune on; None = :func:`fp8rl_jax.fp8.kernels.cuda_device`.
+      device: the device to tune on; None = :func:`fp8rl_jax.kernels.registry.cuda_device`.
       tolerance: the largest relative Frobenius error against the reference's output that a candidate may have.
 
     Returns:

@@ -24,7 +24,7 @@ GPU. The softmax accumulates in another order than XLA's, so trainer logprobs (c
 engine's cached steps run XLA or the FP8-KV kernel) differ by rounding, part of the measured train-inference
 mismatch. cuDNN needs q, k and v sharded alike: with a ``tensor`` mesh axis that does not divide the KV heads (which
 are then replicated) the trainer uses XLA (:class:`fp8rl_jax.trainer.loop.RLTrainer`). The choice is made per computation, by the platform it is lowered for
-(:func:`fp8rl_jax.fp8.kernels.choose`, family ``cudnn_attention``): ``"auto"`` stages cuDNN for CUDA and XLA's
+(:func:`fp8rl_jax.kernels.registry.choose`, family ``cudnn_attention``): ``"auto"`` stages cuDNN for CUDA and XLA's
 attention for every other platform, so a computation pinned to the CPU on a GPU host runs XLA's, and a cuDNN that
 fails its one-time self-test on the GPU (or ``FP8RL_KERNELS=xla``) falls back to XLA.
 
@@ -40,7 +40,7 @@ import warnings
 import jax
 import jax.numpy as jnp
 
-from fp8rl_jax.fp8.kernels import KernelMismatch, choose, cuda_device, register_selftest
+from fp8rl_jax.kernels.registry import KernelMismatch, choose, cuda_device, register_selftest
 
 #: the settings an attention module accepts (``"xla"`` and ``None`` are the same)
 ATTENTION_IMPLS = ("auto", "xla", "cudnn")

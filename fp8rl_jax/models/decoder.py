@@ -36,7 +36,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from fp8rl_jax.fp8.kv_cache import dequantize_kv, is_fp8_cache, quantize_kv
-from fp8rl_jax.fp8.pallas_attention import (decode_kernel_choice, fp8_kv_attention_dispatch, fp8_kv_decode_attention,
+from fp8rl_jax.kernels.pallas_attention import (decode_kernel_choice, fp8_kv_attention_dispatch, fp8_kv_decode_attention,
                                             fp8_kv_prefill_attention)
 from fp8rl_jax.models.attention_impl import (dot_product_attention_dispatch, left_padded_attention, rows_with_keys,
                                              zero_rows_without_keys)

@@ -19,7 +19,7 @@ The backward is JAX's transpose of the same program (an all-to-all transposes to
 
 **Dropless, static buffers.** No capacity factor: an owner can receive every row of every source (all tokens to one
 expert), so its receive buffer holds ``e * R`` rows (``e`` source blocks of ``R``). Two lowerings of the same
-layout (:func:`dispatch_rows` / :func:`return_rows`), chosen by :func:`fp8rl_jax.fp8.kernels.on_cuda`:
+layout (:func:`dispatch_rows` / :func:`return_rows`), chosen by :func:`fp8rl_jax.kernels.registry.on_cuda`:
 
 * ``"static"`` (the CPU's: XLA:CPU has no ``ragged-all-to-all`` thunk): :func:`jax.lax.all_to_all` of a
   ``[e, R, H]`` send buffer (block ``d`` = the rows for device ``d``, zero-padded). Memory per device and direction:
@@ -69,7 +69,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
-from fp8rl_jax.fp8.kernels import on_cuda
+from fp8rl_jax.kernels.registry import on_cuda
 from fp8rl_jax.models.grouped import combine_top_k
 
 #: ``moe.dispatch`` values: ``"all_to_all"`` (expert parallelism, this module) or ``"replicated"`` (every device

@@ -37,7 +37,7 @@ from typing import Mapping, Sequence
 import jax
 
 from fp8rl_jax.fp8.formats import BLOCK_SIZE
-from fp8rl_jax.fp8.pallas_quant import concat_rows
+from fp8rl_jax.kernels.pallas_quant import concat_rows
 
 #: fused module (relative to a decoder layer) -> its parts, in vLLM's row order
 FUSED_PROJECTIONS: tuple[tuple[str, tuple[str, ...]], ...] = (

@@ -48,9 +48,9 @@ With FP8 experts the W8A8 blockwise numerics are those of
 the program is lowered for CUDA the experts read the e4m3 stacks as they are (gate and up as two products: no
 per-call concatenation of the stacks), in the kernel that :func:`grouped_expert_kernel` picks by the routed row
 count (the one place; each kernel behind ``choose`` with its own family): prefill-sized counts take the Mosaic GPU FP8
-wgmma GEMM on the tile layout (:func:`fp8rl_jax.fp8.mosaic_gemm.mosaic_grouped_w8a8_matmul`, tiles of 64 or 128
+wgmma GEMM on the tile layout (:func:`fp8rl_jax.kernels.mosaic_gemm.mosaic_grouped_w8a8_matmul`, tiles of 64 or 128
 rows, activations quantized once per tile row in 1x128 groups; family ``w8a8_gemm``), decode-sized ones the Triton
-grouped kernel (:func:`fp8rl_jax.fp8.pallas_grouped.grouped_w8a8_matmul`, 16-row tiles, empty ones skipped; family
+grouped kernel (:func:`fp8rl_jax.kernels.pallas_grouped.grouped_w8a8_matmul`, 16-row tiles, empty ones skipped; family
 ``grouped_experts``). Each token's k expert
 outputs are summed by :func:`fp8rl_jax.models.grouped.combine_top_k` (a gather and one reduction), not by a
 scatter-add, so the result (and the logprobs) do not change from run to run on a GPU, where a scatter-add is atomic. The router always stays dense in ``param_dtype`` (bf16 in rollout), as
@@ -81,9 +81,9 @@ from flax import nnx
 
 from fp8rl_jax.fp8 import dequantize_weight_blockwise, fake_quantize_activation
 from fp8rl_jax.fp8.formats import ACTIVATION_RECIPE
-from fp8rl_jax.fp8.kernels import choose, run_pallas
-from fp8rl_jax.fp8.mosaic_gemm import WG_ROWS, mosaic_grouped_w8a8_matmul
-from fp8rl_jax.fp8.pallas_grouped import grouped_w8a8_matmul  # registers the grouped_experts family's self-test
+from fp8rl_jax.kernels.registry import choose, run_pallas
+from fp8rl_jax.kernels.mosaic_gemm import WG_ROWS, mosaic_grouped_w8a8_matmul
+from fp8rl_jax.kernels.pallas_grouped import grouped_w8a8_matmul  # registers the grouped_experts family's self-test
 from fp8rl_jax.fp8.quant import _quantize_groups
 from fp8rl_jax.models.config import ModelConfig
 from fp8rl_jax.models.experts import StackedExperts
@@ -179,8 +179,8 @@ MOSAIC_TILE_ROWS = (128, 64)
 def grouped_expert_kernel(num_rows: int, num_experts: int) -> int | None:
     """Which kernel FP8 experts run where the program is lowered for CUDA, by the routed row count: the one place.
 
-    Returns the tile edge ``m`` of the Mosaic GPU path (:func:`fp8rl_jax.fp8.mosaic_gemm.mosaic_grouped_w8a8_matmul`
-    on the tile layout), or None for the Triton grouped kernel (:func:`fp8rl_jax.fp8.pallas_grouped.
+    Returns the tile edge ``m`` of the Mosaic GPU path (:func:`fp8rl_jax.kernels.mosaic_gemm.mosaic_grouped_w8a8_matmul`
+    on the tile layout), or None for the Triton grouped kernel (:func:`fp8rl_jax.kernels.pallas_grouped.
     grouped_w8a8_matmul`). The Mosaic grid is static: ``G = floor((R + E (m - 1)) / m)`` tiles of ``m`` rows, each
     a CTA row that streams its expert's weight and runs its wgmma whether its rows are real or padding (at most
     ``E (m - 1)`` of them). So ``m`` is the largest of :data:`MOSAIC_TILE_ROWS` whose worst-case padding is at most
@@ -234,7 +234,7 @@ class SparseMoeBlock(nnx.Module):
                                       rngs=rngs)
 
     #: FP8 experts: ``"auto"`` (where the program is lowered for CUDA the kernel of :func:`grouped_expert_kernel`,
-    #: the XLA path below elsewhere: :func:`fp8rl_jax.fp8.kernels.choose`, family ``w8a8_gemm`` or
+    #: the XLA path below elsewhere: :func:`fp8rl_jax.kernels.registry.choose`, family ``w8a8_gemm`` or
     #: ``grouped_experts`` as that kernel is), ``"pallas"``
     #: (always the Triton grouped kernel), ``"mosaic"`` (always the Mosaic GPU kernel on 64-row tiles or
     #: :func:`grouped_expert_kernel`'s; both: interpret mode where not lowered for CUDA) or ``"ragged_dot"`` (never
@@ -255,7 +255,7 @@ class SparseMoeBlock(nnx.Module):
         is quantized the same way for down, and each routed row's output is gathered back from its slot.
 
         Args:
-          tile_rows: ``m``, a multiple of 64. interpret: as :func:`~fp8rl_jax.fp8.mosaic_gemm.mosaic_w8a8_matmul`
+          tile_rows: ``m``, a multiple of 64. interpret: as :func:`~fp8rl_jax.kernels.mosaic_gemm.mosaic_w8a8_matmul`
             (None: compiled where lowered for CUDA, Mosaic GPU's interpreter elsewhere).
         """
         t, hidden = xt.shape
@@ -508,7 +508,7 @@ EXPERT_IMPLS = ("auto", "pallas", "mosaic", "tiled", "ragged_dot")
 def set_expert_impl(model: nnx.Module, impl: str) -> str:
     """Set how every :class:`SparseMoeBlock` of ``model`` runs its experts; returns ``impl``.
 
-    ``"auto"``: FP8 experts take a kernel where the program is lowered for CUDA (:func:`fp8rl_jax.fp8.kernels.choose`;
+    ``"auto"``: FP8 experts take a kernel where the program is lowered for CUDA (:func:`fp8rl_jax.kernels.registry.choose`;
     :func:`grouped_expert_kernel`: Mosaic GPU for prefill-sized row counts, Triton for decode-sized ones), and
     otherwise tiles or ``ragged_dot``, whichever moves fewer elements; ``"pallas"`` / ``"mosaic"``: FP8 experts always
     take the Triton / the Mosaic GPU kernel (interpret mode where not lowered for CUDA); ``"tiled"`` /

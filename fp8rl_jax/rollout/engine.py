@@ -35,7 +35,7 @@ from flax import nnx
 from fp8rl_jax.fp8.kv_cache import (DEFAULT_BLOCK_SIZE, KVCacheCapacity, KVScales, is_kv_scale_name,
                                     kv_cache_bytes_per_token, kv_cache_capacity, kv_cache_storage_dtype,
                                     normalize_kv_cache_dtype)
-from fp8rl_jax.fp8.pallas_attention import use_fp8_kv_kernel
+from fp8rl_jax.kernels.pallas_attention import use_fp8_kv_kernel
 from fp8rl_jax.models.config import ModelConfig
 from fp8rl_jax.models.decoder import Attention, KVCache, left_pad, param_name, positions_from_mask
 from fp8rl_jax.models.experts import expert_names, is_expert_stack_name, split_expert_stacks
@@ -67,7 +67,7 @@ def engine_fuses_projections(precision: str, mesh=None, fuse_projections: bool =
 
 def configure_engine_model(model, kv_attention: str | None, expert_impl: str) -> str:
     """Set the engine's kernel choices on a model (the engine and ``scripts/plan.py`` build the same program):
-    ``kv_attention`` (:data:`fp8rl_jax.fp8.pallas_attention.KV_ATTENTION_IMPLS`; None leaves the modules' own) on
+    ``kv_attention`` (:data:`fp8rl_jax.kernels.pallas_attention.KV_ATTENTION_IMPLS`; None leaves the modules' own) on
     every attention module, ``expert_impl`` on every sparse MLP block (:func:`fp8rl_jax.models.moe.set_expert_impl`,
     which raises ``ValueError`` for an unknown name). Returns the expert implementation set."""
     if kv_attention is not None:
@@ -137,9 +137,9 @@ class JaxRolloutEngine:
         fused ``qkv_proj`` / ``gate_up_proj`` where every part's rows are a multiple of 128
         (:attr:`fused_projections` lists them; the others stay separate). Same greedy tokens and logprobs as the
         unfused engine (bit for bit on CPU, tested). ``weights`` may then be fused or under the HF names.
-      kv_attention: attention over an e4m3 cache (:data:`fp8rl_jax.fp8.pallas_attention.KV_ATTENTION_IMPLS`):
-        ``"auto"`` runs :func:`fp8rl_jax.fp8.pallas_attention.fp8_kv_decode_attention` at decode and
-        :func:`~fp8rl_jax.fp8.pallas_attention.fp8_kv_prefill_attention` at prefill (the cache read and dequantized
+      kv_attention: attention over an e4m3 cache (:data:`fp8rl_jax.kernels.pallas_attention.KV_ATTENTION_IMPLS`):
+        ``"auto"`` runs :func:`fp8rl_jax.kernels.pallas_attention.fp8_kv_decode_attention` at decode and
+        :func:`~fp8rl_jax.kernels.pallas_attention.fp8_kv_prefill_attention` at prefill (the cache read and dequantized
         inside a Pallas kernel, only up to each row's last slot) where lowered for one CUDA GPU, and the
         materialized path elsewhere (CPU results unchanged; on a mesh too, since the kernels are not
         SPMD-partitioned); ``"materialize"`` always dequantizes the cache and calls ``jax.nn.dot_product_attention``;

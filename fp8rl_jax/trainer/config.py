@@ -160,7 +160,7 @@ class TrainConfig:
       attention_implementation: the training forward's attention (:mod:`fp8rl_jax.models.attention_impl`):
         ``"auto"`` (cuDNN flash attention on a CUDA GPU where cuDNN supports the call, else XLA's, which
         materialises the ``[B, H, S, T]`` scores), ``"xla"`` or ``"cudnn"`` (an error where it cannot run).
-      kernels: which GPU kernels programs lowered for CUDA use (:mod:`fp8rl_jax.fp8.kernels`): None (default:
+      kernels: which GPU kernels programs lowered for CUDA use (:mod:`fp8rl_jax.kernels.registry`): None (default:
         ``$FP8RL_KERNELS``, else ``"auto"``), ``"auto"`` (the project's Pallas kernels and cuDNN attention, each family after a
         one-time self-test on the GPU that falls back to XLA with a warning), ``"xla"`` (XLA everywhere: the escape
         hatch) or ``"pallas"`` (the kernels without the self-test). CPU runs are unaffected.
@@ -168,7 +168,7 @@ class TrainConfig:
         ``$FP8RL_AUTOTUNE``, else ``"on"``), ``"off"`` (default candidates), ``"cached"`` (stored tables only) or
         ``"on"`` (time untuned keys at first use, within ``$FP8RL_AUTOTUNE_BUDGET_S``). CPU runs are unaffected.
       kv_attention: the embedded engine's decode attention over an FP8 KV cache
-        (:data:`fp8rl_jax.fp8.pallas_attention.KV_ATTENTION_IMPLS`: ``"auto"``, ``"materialize"``, ``"pallas"``,
+        (:data:`fp8rl_jax.kernels.pallas_attention.KV_ATTENTION_IMPLS`: ``"auto"``, ``"materialize"``, ``"pallas"``,
         ``"interpret"``).
       expert_impl: Qwen3-MoE experts in the engine and the trainer (:data:`fp8rl_jax.models.moe.EXPERT_IMPLS`:
         ``"auto"``, ``"pallas"``, ``"mosaic"``, ``"tiled"``, ``"ragged_dot"``;
@@ -346,8 +346,8 @@ class TrainConfig:
         from fp8rl_jax.models.attention_impl import ATTENTION_IMPLS
 
         choice("attention_implementation", ATTENTION_IMPLS)
-        from fp8rl_jax.fp8.kernels import MODES
-        from fp8rl_jax.fp8.pallas_attention import KV_ATTENTION_IMPLS
+        from fp8rl_jax.kernels.registry import MODES
+        from fp8rl_jax.kernels.pallas_attention import KV_ATTENTION_IMPLS
         from fp8rl_jax.models.moe import EXPERT_IMPLS
 
         choice("kernels", (None,) + MODES)

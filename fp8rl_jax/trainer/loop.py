@@ -31,7 +31,7 @@ from fp8rl_jax import objectives
 from fp8rl_jax.data import get_reward_fn, make_train_dataset
 from fp8rl_jax.data.custom_reward import CustomReward
 from fp8rl_jax.export import ModelParamsReader, export_weights
-from fp8rl_jax.fp8.kernels import set_kernel_mode
+from fp8rl_jax.kernels.registry import set_kernel_mode
 from fp8rl_jax.kernels.tuner import set_autotune_mode
 from fp8rl_jax.fp8.kv_cache import (KV_SCALE_CALIBRATIONS, KVScales, calibrate_kv_scales, masked_row_absmax,
                                     normalize_kv_cache_dtype)
