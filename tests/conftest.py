@@ -22,6 +22,19 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _xla_cache
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")  # small programs too (trainer runs)
     atexit.register(shutil.rmtree, _xla_cache, True)
+# XLA:CPU compiles the tests' programs with LLVM's cheap pipeline (TEST_XLA_FLAGS: backend optimization level 0,
+# no expensive LLVM passes). Most of the suite's time is XLA:CPU compiling small programs (tiny models, 8-device SPMD
+# workers), not running them, and that cuts the compile CPU time by a quarter to a third (2-core AMD EPYC,
+# 2026-11-28: tests/test_mesh.py's llama equivalence worker 116 -> 78 s of CPU, tests/test_remat_scan.py 266 -> 198 s).
+# Nothing a test asserts depends on it: every comparison is against an independent reference within a tolerance, or
+# between programs compiled the same way; the bit-exact suites (vLLM's quantizers, sync, export, KV cache, FP8 dot,
+# engine) pass at both levels. Every subprocess a test starts inherits it (the multi-device workers append their
+# device count). Not on a machine with an NVIDIA device (the GPU tests compile for the GPU at XLA's defaults), nor
+# with FP8RL_TEST_XLA_OPT=default (the suite at XLA's default optimization, what users run).
+TEST_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+if os.environ.get("FP8RL_TEST_XLA_OPT", "fast") != "default" and not os.path.exists("/dev/nvidiactl") \
+        and TEST_XLA_FLAGS not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + TEST_XLA_FLAGS).strip()
 # This (the pytest) process uses the cache too: many tests build several trainers whose programs are the same HLO
 # under new Python closures, a miss of JAX's in-memory cache that the persistent one catches (tests/test_sync_verify.py:
 # 90.7 s without it, 70.6 s with it, 2026-11-27: one of the reasons the suite took 89 min in a clean clone while it
@@ -219,6 +232,13 @@ def make_tiny_smollm2_vocab_dir(directory, **overrides) -> str:
     make_hf_model("llama", **dict(kw, **overrides)).save_pretrained(directory)
     tok.save(str(directory))
     return str(directory)
+
+
+def xla_flags_for_one_device() -> str:
+    """``$XLA_FLAGS`` without any ``--xla_force_host_platform_device_count`` (for a process that must have one CPU
+    device: the multi-process tests), keeping the rest (TEST_XLA_FLAGS)."""
+    return " ".join(f for f in os.environ.get("XLA_FLAGS", "").split()
+                    if not f.startswith("--xla_force_host_platform_device_count"))
 
 
 def run_worker_script(script: str, mode: str, *args: str, devices: int = 8, timeout: int = 900) -> dict:

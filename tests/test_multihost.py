@@ -71,7 +71,9 @@ def test_two_processes_run_two_rl_steps_like_one(tmp_path):
 
     model = make_tiny_smollm2_vocab_dir(tmp_path / "m")
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    env.pop("XLA_FLAGS", None)  # one CPU device per process
+    from conftest import xla_flags_for_one_device
+
+    env["XLA_FLAGS"] = xla_flags_for_one_device()  # one CPU device per process
     def run(pid, port, name, n):  # output to files: a full pipe would stall one process at the shutdown barrier
         log = open(tmp_path / f"{name}_{pid}.log", "w")
         return subprocess.Popen([sys.executable, HERE, str(pid), str(port), str(tmp_path / name), model, str(n)],

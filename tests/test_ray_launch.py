@@ -143,8 +143,11 @@ def test_multihost_launch_with_the_expert_axis_across_processes(tmp_path, tmp_pa
     model = str(tmp_path / "moe")
     write_tiny_qwen3_moe(model, num_experts=4, num_experts_per_tok=2, hidden_size=64, moe_intermediate_size=32)
     tests_dir = os.path.dirname(os.path.abspath(__file__))
-    for k in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH", "RAY_ADDRESS", "XLA_FLAGS"):
-        monkeypatch.delenv(k, raising=False)  # no XLA_FLAGS: one CPU device per process
+    from conftest import xla_flags_for_one_device
+
+    for k in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH", "RAY_ADDRESS"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("XLA_FLAGS", xla_flags_for_one_device())  # one CPU device per process
     monkeypatch.setenv("RAY_worker_niceness", "0")  # Ray's workers at normal priority (see above)
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([tests_dir, os.environ.get("PYTHONPATH", "")]).strip(os.pathsep))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
