@@ -235,9 +235,9 @@ def needed_distributions(imports=PACK_IMPORTS, image=IMAGE_DISTS, project="fp8rl
 #: what each stage of ``run_gpu.sh quick`` imports (the project modules pull in their own dependencies)
 STAGE_MODULES = {
     "selftest": ["jax", "numpy", "ml_dtypes", "fp8rl_jax.kernels.registry"],
-    "tests": ["pytest", "torch", "flax", "fp8rl_jax.fp8", "fp8rl_jax.models.decoder", "rollout_bridge.cpu_gemm"],
+    "tests": ["pytest", "torch", "flax", "fp8rl_jax.fp8.linear", "fp8rl_jax.models.decoder", "rollout_bridge.cpu_gemm"],
     "rollout": ["flax", "fp8rl_jax.export", "fp8rl_jax.rollout.engine"],
-    "gemm": ["fp8rl_jax.fp8"],
+    "gemm": ["fp8rl_jax.fp8.linear", "fp8rl_jax.kernels.pallas_gemm"],
     "sync": ["torch", "fp8rl_jax.export", "rollout_bridge.dlpack", "rollout_bridge.torch_receiver"],
     "train": ["gin", "tokenizers", "safetensors", "jinja2", "reasoning_gym", "tensorboardX", "tqdm", "optax",
               "orbax.checkpoint", "fp8rl_jax.trainer", "fp8rl_jax.trainer.run", "fp8rl_jax.models.synthetic"],
@@ -282,7 +282,7 @@ def check_requirements(stages=None) -> dict:
 def run_selftests() -> dict:
     """Run every kernel family's self-test once in this process (``registry.kernel_mode_scope("auto")``).
 
-    Imports every module of ``fp8rl_jax.fp8`` and ``fp8rl_jax.models.attention_impl`` first (each registers its
+    Imports every module of ``fp8rl_jax.fp8`` and ``fp8rl_jax.kernels`` and ``fp8rl_jax.models.attention_impl`` first (each registers its
     family's self-test at import; an import error is recorded). Without a CUDA device nothing is tested
     (``"tested": False``): :func:`fp8rl_jax.kernels.registry.selftest_passed` passes trivially there.
 

@@ -29,11 +29,11 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 # Nothing a test asserts depends on it: every comparison is against an independent reference within a tolerance, or
 # between programs compiled the same way; the bit-exact suites (vLLM's quantizers, sync, export, KV cache, FP8 dot,
 # engine) pass at both levels. Every subprocess a test starts inherits it (the multi-device workers append their
-# device count). Not on a machine with an NVIDIA device (the GPU tests compile for the GPU at XLA's defaults), nor
+# device count; the notebooks' kernels drop it, tests/test_notebooks.py). Not on a machine with an NVIDIA device (the GPU tests compile for the GPU at XLA's defaults), nor
 # with FP8RL_TEST_XLA_OPT=default (the suite at XLA's default optimization, what users run).
 TEST_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 if os.environ.get("FP8RL_TEST_XLA_OPT", "fast") != "default" and not os.path.exists("/dev/nvidiactl") \
-        and TEST_XLA_FLAGS not in os.environ.get("XLA_FLAGS", ""):
+        and "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):  # nor over the user's own
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + TEST_XLA_FLAGS).strip()
 # This (the pytest) process uses the cache too: many tests build several trainers whose programs are the same HLO
 # under new Python closures, a miss of JAX's in-memory cache that the persistent one catches (tests/test_sync_verify.py:

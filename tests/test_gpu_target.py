@@ -255,5 +255,5 @@ def test_compile_error_summary_keeps_the_cause_and_the_project_frames():
     out = gd.compile_error_summary(RuntimeError(msg)).splitlines()
     assert out[0] == "RuntimeError: INTERNAL: custom_partitioner: Traceback (most recent call last):"
     assert out[1] == "ValueError: Query, key and value should have same sharding."
-    assert out[2] == "Suspected Python Code Location:" and "decoder.py:280" in out[3] and "kernels.py" in out[4]
+    assert out[2] == "Suspected Python Code Location:" and "decoder.py:280" in out[3] and "registry.py" in out[4]
     assert gd.compile_error_summary(ValueError("short")) == "ValueError: short"
