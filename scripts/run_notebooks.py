@@ -51,18 +51,11 @@ def notebook_paths(only: list[str] | None = None) -> list[str]:
     return [os.path.join(EXAMPLES, n) for n in names]
 
 
-def read(path: str):
-    """The notebook at ``path`` (nbformat v4)."""
-    import nbformat
-
-    return nbformat.read(path, as_version=4)
-
-
-def execute(path: str, cell_timeout_s: float | None = None):
+def execute(path: str, cell_timeout_budgets: float = 1.0):
     """Execute one notebook in a fresh kernel (cwd = its folder), with a private temporary directory.
 
-    A cell running longer than ``cell_timeout_s`` seconds of wall time (default: the notebook's budget) is stopped
-    and fails the run; tests/test_notebooks.py passes a multiple of the budget, since it runs beside other load.
+    A cell running longer than ``cell_timeout_budgets`` x the notebook's budget in wall time (default: the budget)
+    is stopped and fails the run; tests/test_notebooks.py passes a larger factor, since it runs beside other load.
 
     The kernel's ``TMPDIR`` is a new directory removed once the kernel has stopped, so whatever the notebook writes
     through :mod:`tempfile` (run directories, a 1.4 GB checkpoint in the quickstart) is gone afterwards, also when a
@@ -75,12 +68,13 @@ def execute(path: str, cell_timeout_s: float | None = None):
 
     Raises:
       nbclient.exceptions.CellExecutionError: a cell raised (the traceback is in the message).
-      nbclient.exceptions.CellTimeoutError: a cell ran past ``cell_timeout_s``.
+      nbclient.exceptions.CellTimeoutError: a cell ran past ``cell_timeout_budgets`` x the budget.
     """
     import nbclient
+    import nbformat
 
-    nb = read(path)
-    timeout = cell_timeout_s if cell_timeout_s is not None else budget_s(nb)
+    nb = nbformat.read(path, as_version=4)
+    timeout = cell_timeout_budgets * budget_s(nb)
     ru0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
     client = nbclient.NotebookClient(nb, timeout=timeout, kernel_name="python3",

@@ -29,8 +29,9 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 # Nothing a test asserts depends on it: every comparison is against an independent reference within a tolerance, or
 # between programs compiled the same way; the bit-exact suites (vLLM's quantizers, sync, export, KV cache, FP8 dot,
 # engine) pass at both levels. Every subprocess a test starts inherits it (the multi-device workers append their
-# device count; the notebooks' kernels drop it, tests/test_notebooks.py). Not on a machine with an NVIDIA device (the GPU tests compile for the GPU at XLA's defaults), nor
-# with FP8RL_TEST_XLA_OPT=default (the suite at XLA's default optimization, what users run).
+# device count; the notebooks' kernels drop it, tests/test_notebooks.py). Not on a machine with an NVIDIA device
+# (the GPU tests compile for the GPU at XLA's defaults), nor with FP8RL_TEST_XLA_OPT=default (the suite at XLA's
+# default optimization, what users run).
 TEST_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 if os.environ.get("FP8RL_TEST_XLA_OPT", "fast") != "default" and not os.path.exists("/dev/nvidiactl") \
         and "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):  # nor over the user's own
@@ -234,11 +235,17 @@ def make_tiny_smollm2_vocab_dir(directory, **overrides) -> str:
     return str(directory)
 
 
+def xla_flags_without(*flags: str) -> str:
+    """``$XLA_FLAGS`` without the flags named (``--name`` or ``--name=value``: any value of that name goes), the
+    rest kept in order."""
+    names = {f.split("=", 1)[0] for f in flags}
+    return " ".join(f for f in os.environ.get("XLA_FLAGS", "").split() if f.split("=", 1)[0] not in names)
+
+
 def xla_flags_for_one_device() -> str:
-    """``$XLA_FLAGS`` without any ``--xla_force_host_platform_device_count`` (for a process that must have one CPU
+    """``$XLA_FLAGS`` without ``--xla_force_host_platform_device_count`` (for a process that must have one CPU
     device: the multi-process tests), keeping the rest (TEST_XLA_FLAGS)."""
-    return " ".join(f for f in os.environ.get("XLA_FLAGS", "").split()
-                    if not f.startswith("--xla_force_host_platform_device_count"))
+    return xla_flags_without("--xla_force_host_platform_device_count")
 
 
 def run_worker_script(script: str, mode: str, *args: str, devices: int = 8, timeout: int = 900) -> dict:
