@@ -7,8 +7,8 @@ shows (this file):
 
 * the value path has no rewrite: the kernel that writes the e4m3 codes computes ``mul.rn.f32`` (the vLLM
   ``x * (1/s)`` recipes) and converts with ``cvt.rn.satfinite.e4m3x2.f32`` (one correctly rounded f32 -> e4m3 step: no
-  ``fma``, no ``rcp.approx`` / ``div.approx``, no f32 -> f16 -> e4m3 double rounding); the scales are integer long
-  divisions (``formats.div_rn_int``), where XLA's own ``div.full.f32`` is only the fallback for non-normal operands;
+  ``fma``, no ``rcp.approx`` / ``div.approx``, no f32 -> f16 -> e4m3 double rounding); the scales are
+  divisions in float64 (``formats.div_rn_f64``: ``div.rn.f64``, never XLA's float32 ``div.full.f32``);
 * XLA:GPU's optimized graph (every HLO pass up to layout assignment), executed with the CPU's IEEE arithmetic, gives
   the numpy reference's codes and scales bit for bit on the test data of tests/test_fp8_gpu.py;
 * the H200's mismatches do not reproduce from this machine's inputs: recomputed here in exact rational arithmetic
@@ -189,3 +189,18 @@ def test_xla_gpu_optimized_quantizer_graph_computes_the_reference_codes(sm90a_qu
     wq, ws = ref.quantize_blocks(x, bn, 128, rec)
     np.testing.assert_array_equal(q.view(np.uint8), np.asarray(wq).view(np.uint8))
     np.testing.assert_array_equal(s, ws)
+
+
+def test_xla_gpu_divisions_of_the_quantizers_are_correctly_rounded(sm90a_quant):
+    """Every division in the sm_90a PTX of the quantizers is ``div.rn.f64`` (formats.div_rn_f64: the scales'
+    ``amax / 448`` and the contract's per-element ``x / s``), none XLA's float32 ``div.full.f32`` or an approximate
+    one; the contract's e4m3 writer divides in float64 and converts the rounded float32 quotient once to e4m3."""
+    divs = set()
+    for name in sm90a_quant:
+        for f in sm90a_quant[name]["ptx"]:
+            divs |= set(re.findall(r"\b(div\.[a-z0-9.]+|rcp\.[a-z0-9.]+)", Path(f).read_text()))
+    assert "div.rn.f64" in divs, divs
+    assert not {d for d in divs if d.endswith("f32") or "approx" in d or "full" in d}, divs
+    writer = [body for f in sm90a_quant["weights_contract"]["ptx"]
+              for body in re.split(r"\.visible \.entry", Path(f).read_text())[1:] if "e4m3x2.f32" in body]
+    assert writer and all("div.rn.f64" in b and "cvt.rn.f32.f64" in b for b in writer)

@@ -116,12 +116,11 @@ RECIPES = {r.name: r for r in (VLLM_BLOCK_CAST, VLLM_GROUP_NATIVE, VLLM_GROUP_TR
 def div_rn(a, b, *, ptx: bool = False):
     """Correctly rounded float32 ``a / b`` (IEEE round-to-nearest-even), broadcasting like ``a / b``.
 
-    XLA rewrites ``A / broadcast(B)`` and ``A / constant`` into ``A * (1/B)``; adding ``a * 0`` to the divisor
-    (exact for finite ``a``) hides the broadcast from that rewrite at the cost of one fused multiply-add.
+    XLA rewrites ``A / broadcast(B)`` and ``A / constant`` into ``A * (1/B)``; adding ``min(|a|, 0)`` to the
+    divisor (zero unless ``a`` is NaN) hides the broadcast from that rewrite.
     Lowered for CUDA, XLA:GPU compiles a float32 division to the approximate PTX ``div.full.f32`` (up to 2 ulp off;
-    seen in the sm_90a PTX of a deviceless compile), so that platform gets :func:`div_rn_int`, an integer long
-    division (``jax.lax.platform_dependent``: the CPU keeps its IEEE division). Use it for small arrays (scales, one
-    reciprocal per block); per-element quotients that end as FP8 codes go through :func:`scale_values`.
+    seen in the sm_90a PTX of a deviceless compile), so that platform gets :func:`div_rn_f64`, one float64 division
+    rounded to float32 (``jax.lax.platform_dependent``: the CPU keeps its IEEE float32 division).
     Inside a Pallas Triton kernel (``ptx=True``) Triton's ``arith.divf`` is also ``div.full.f32``, so the PTX
     ``div.rn.f32`` instruction is emitted instead.
 
@@ -145,109 +144,52 @@ def div_rn(a, b, *, ptx: bool = False):
             result_shape_dtypes=[jax.ShapeDtypeStruct(shape, jnp.float32)])
         return out
     a, b = jnp.broadcast_to(a, shape), jnp.broadcast_to(b, shape)
-    return lax.platform_dependent(a, b, cuda=div_rn_int, default=_div_ieee)
+    return lax.platform_dependent(a, b, cuda=div_rn_f64, default=_div_ieee)
 
 
 def _div_ieee(a, b):
-    """XLA's float32 division, kept a division (see :func:`div_rn`): IEEE on the CPU, ``div.full.f32`` on CUDA."""
-    return lax.div(a, b + a * 0.0)
+    """XLA's float32 division, kept a division (see :func:`div_rn`): IEEE on the CPU, ``div.full.f32`` on CUDA.
+
+    The divisor gets ``min(|a|, 0)`` added: zero for every ``a`` but NaN (so ``inf / s`` stays ``inf``, which the
+    FP8 clip saturates to the format's maximum as torch does), and not a constant to XLA, which therefore cannot
+    turn ``A / broadcast(B)`` into ``A * (1 / B)``."""
+    return lax.div(a, b + jnp.minimum(jnp.abs(a), 0.0))
 
 
-def _fields(x):
-    """``(bits & 0x7fffffff, biased exponent, 23-bit mantissa field)`` of float32 ``x`` as int32."""
-    mag = lax.bitcast_convert_type(x, jnp.int32) & jnp.int32(0x7FFFFFFF)
-    return mag, lax.shift_right_logical(mag, jnp.int32(23)), mag & jnp.int32(0x7FFFFF)
+_F64_SHIFT_DOWN, _F64_SHIFT_UP = 2.0 ** -64, 2.0 ** 64  # exact on every float32 value in float64
 
 
-def div_rn_int(a, b, approx=_div_ieee):
-    """Correctly rounded float32 ``a / b`` by integer long division of the 24-bit significands (no float rounding).
+def div_rn_f64(a, b):
+    """Correctly rounded float32 ``a / b`` through one float64 division: ``f32(f64(a) / f64(b))``.
 
-    For normal, finite, nonzero ``a`` and ``b`` with a normal quotient: 24 quotient bits from a restoring long
-    division of ``A * 2**23 / B`` (remainders below ``2**25``, int32 lanes), then round to nearest, ties to even, from
-    the remainder (a quotient of two 24-bit significands is never exactly a tie, but the rule is applied anyway).
-    Everything else (zeros, subnormal or non-finite operands, a quotient that overflows or is subnormal) takes
-    ``approx(a, b)``. Integer arithmetic, so no platform rounds it differently: the CUDA branch of :func:`div_rn`,
-    where XLA's own division is the approximate ``div.full.f32``. About 150 integer operations per element: meant
-    for per-block scales and reciprocals.
-
-    Args:
-      a, b: float32 arrays of one shape.
-      approx: the division for the cases above (default XLA's).
-
-    Returns:
-      float32 array, equal to IEEE ``a / b`` wherever the integer path applies.
-    """
-    i32 = jnp.int32
-    a, b = a.astype(jnp.float32), b.astype(jnp.float32)
-    _, fa, ma = _fields(a)
-    _, fb, mb = _fields(b)
-    sign = (lax.bitcast_convert_type(a, i32) ^ lax.bitcast_convert_type(b, i32)) & i32(-0x80000000)
-    sa, sb = ma | i32(0x800000), mb | i32(0x800000)
-    small = sa < sb
-    rem = jnp.where(small, lax.shift_left(sa, i32(1)), sa)  # [B, 2B): the quotient's first bit is 1
-    e = fa - fb - small.astype(i32)
-    q = jnp.zeros_like(rem)
-    for _ in range(24):
-        bit = rem >= sb
-        q = lax.shift_left(q, i32(1)) | bit.astype(i32)
-        rem = lax.shift_left(jnp.where(bit, rem - sb, rem), i32(1))  # 2 * remainder < 2B < 2**25
-    up = (rem > sb) | ((rem == sb) & ((q & 1) == 1))
-    q = q + up.astype(i32)
-    carry = q >= i32(1 << 24)
-    q = jnp.where(carry, lax.shift_right_logical(q, i32(1)), q)
-    exp = e + carry.astype(i32) + 127
-    bits = sign | lax.shift_left(exp, i32(23)) | (q & i32(0x7FFFFF))
-    ok = (fa >= 1) & (fa <= 254) & (fb >= 1) & (fb <= 254) & (exp >= 1) & (exp <= 254)
-    return jnp.where(ok, lax.bitcast_convert_type(bits, jnp.float32), approx(a, b))
-
-
-def fp8_of_quotient(x, s, fp8_dtype, fp8_max: float, approx=_div_ieee):
-    """``cast(clip(RN_f32(x / s), +-fp8_max))`` to e4m3/e5m2, exact from an approximate division.
-
-    The CUDA branch of :func:`scale_values` (XLA:GPU's float32 division is ``div.full.f32``, up to 2 ulp off).
-    ``q0 = approx(x, s)`` gives the FP8 code directly unless ``q0`` lies within 4 float32 ulps of ``m``, the
-    midpoint of the two FP8 values around it; only there can the approximation change the code. There the exact
-    quotient is compared with ``m``'s float32 rounding interval ``[m - h_below, m + h]`` (``h`` half a float32 ulp of
-    ``m``; ``RN_f32(x / s) = m`` inside it, and ``m`` then rounds to the FP8 value with the even code):
-    ``d = (|x| - m * s_hi) - m * s_lo`` with ``s_hi`` = ``s`` without its 5 low significand bits. ``m`` has at most
-    5 significant bits, so both products are exact, and ``|x|``, ``m * s_hi`` and ``m * s_lo`` are multiples of one
-    unit with ``d`` a small multiple of it: every step is exact whether or not the compiler fuses a multiply and an
-    add, and ``d`` is compared with the exact ``h * s``. Equals the IEEE path bit for bit for positive normal ``s``
-    (a scale; tested against numpy with ``approx`` off by up to 2 ulps); NaN and +-inf pass as in the IEEE path.
+    Rounding the float64 quotient to float32 again gives IEEE's float32 quotient: double rounding is innocuous for
+    division when the wider format has at least ``2p + 2`` bits (53 >= 2 * 24 + 2; S. Figueroa, "When is double
+    rounding innocuous?", SIGNUM 1995). XLA:GPU compiles a float64 division to ``div.rn.f64`` (NVPTX has no
+    approximate float64 division; its float32 one is ``div.full.f32``, ``-nvptx-prec-divf32=1``), so this is the
+    CUDA branch of :func:`div_rn` and of :func:`scale_values`: five operations where an integer
+    long division of the significands took ~150, and an approximate quotient fixed up near the FP8 rounding
+    midpoints ~130 (XLA:GPU compiled the engine's FP8 decode step ~1-4 s slower per decoder layer with those:
+    ``benchmarks/compile_stages.py``). Float64 is enabled for these operations only (``jax.enable_x64``); the
+    inputs and the result are float32. Should XLA rewrite the division into ``a * (1 / b)`` (it does so for a
+    broadcast divisor), the float32 result is still IEEE's: that product is within ``2**-52`` (relative) of the
+    quotient, and a quotient of two float32 values that is not a float32 rounding midpoint lies at least ``2**-49``
+    from every midpoint. Zeros, infinities and NaN follow IEEE; a float32-subnormal quotient is
+    rounded once, from float64, as IEEE float32 division rounds it.
 
     Args:
-      x: float32 values; s: positive float32 scales broadcastable to ``x``.
-      fp8_dtype, fp8_max: e4m3 (<= 448) or e5m2 (<= 57344).
-      approx: the division (default XLA's; tests pass a perturbed one).
+      a, b: float32 arrays of one shape (or broadcastable).
 
     Returns:
-      ``fp8_dtype`` array of ``x``'s shape.
+      float32 array of the broadcast shape.
     """
-    i32, f32 = jnp.int32, jnp.float32
-    x = x.astype(f32)
-    s = jnp.broadcast_to(jnp.asarray(s, f32), x.shape)
-    mx = f32(fp8_max)
-    v = jnp.clip(approx(x, s), -mx, mx)
-    av = jnp.abs(v)
-    dt = jnp.dtype(fp8_dtype)
-    code = lax.bitcast_convert_type(av.astype(dt), jnp.uint8).astype(i32)  # RN of the approximate quotient
-    cv = lax.bitcast_convert_type(code.astype(jnp.uint8), dt).astype(f32)
-    below = cv > av  # the approximate quotient lies between the previous code's value and cv
-    lo_code = jnp.where(below, code - 1, code)
-    lo = lax.bitcast_convert_type(jnp.maximum(lo_code, 0).astype(jnp.uint8), dt).astype(f32)
-    hi = lax.bitcast_convert_type((lo_code + 1).astype(jnp.uint8), dt).astype(f32)
-    m = (lo + hi) * f32(0.5)  # exact: a few significant bits
-    _, m_exp, m_man = _fields(m)
-    ulp = lax.bitcast_convert_type(lax.shift_left(jnp.maximum(m_exp - 23, 1), i32(23)), f32)
-    near = (jnp.abs(av - m) <= 4 * ulp) & (hi <= mx) & (lo_code >= 0) & (av < mx) & (s > 0) & jnp.isfinite(s)
-    s_hi = lax.bitcast_convert_type(lax.bitcast_convert_type(s, i32) & i32(~0x1F), f32)
-    d = (jnp.abs(x) - m * s_hi) - m * (s - s_hi)  # = |x| - m * s, exactly (see above)
-    h = ulp * f32(0.5)
-    h_below = jnp.where(m_man == 0, h * f32(0.5), h)  # m a power of two: the float32 step below is half
-    pick = jnp.where(d > h * s, hi, jnp.where(d < -(h_below * s), lo, jnp.where((lo_code & 1) == 0, lo, hi)))
-    mag = jnp.where(near, pick, av)
-    out = jnp.where(jnp.isnan(v), v, jnp.where(jnp.signbit(v), -mag, mag))
-    return out.astype(dt)  # the CUDA branch: XLA's convert (round to nearest even; |out| <= fp8_max already)
+    a = jnp.asarray(a, jnp.float32)
+    b = jnp.asarray(b, jnp.float32)
+    with jax.enable_x64(True):
+        # LLVM folds fptrunc(fdiv(fpext a, fpext b)) back into a float32 fdiv (legal: the same value), which NVPTX
+        # then emits as div.full.f32. The exact power-of-two scalings around the division hide the pattern
+        # (tests/test_quant_gpu_compile.py reads div.rn.f64 in the sm_90a PTX).
+        q = lax.div(a.astype(jnp.float64) * _F64_SHIFT_DOWN, b.astype(jnp.float64))
+        return (q * _F64_SHIFT_UP).astype(jnp.float32)
 
 
 _LN2_Q32 = np.uint32(2977044471)  # floor(ln(2) * 2**32)
@@ -423,11 +365,9 @@ def scale_values(x: jnp.ndarray, scale: jnp.ndarray, fp8_dtype=E4M3, fp8_max: fl
         v = xf * r
     elif ptx:
         v = div_rn(xf, scale, ptx=True)
-    else:  # a per-element division: exact on CUDA from XLA's approximate one (fp8_of_quotient)
+    else:  # a per-element division: IEEE on the CPU, through float64 on CUDA (div_rn_f64)
         scale = jnp.broadcast_to(jnp.asarray(scale, jnp.float32), xf.shape)
-        return lax.platform_dependent(
-            xf, scale, cuda=lambda a, b: fp8_of_quotient(a, b, fp8_dtype, fp8_max),
-            default=lambda a, b: _cast_fp8(_div_ieee(a, b), fp8_dtype, fp8_max, ptx=False))
+        v = lax.platform_dependent(xf, scale, cuda=div_rn_f64, default=_div_ieee)
     return _cast_fp8(v, fp8_dtype, fp8_max, ptx=ptx)
 
 
