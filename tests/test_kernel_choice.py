@@ -260,29 +260,50 @@ def _normal_pairs(rng, n, lo=-60, hi=60):
     return a, np.maximum(b, np.finfo(np.float32).tiny)
 
 
+def _near_midpoint_pairs(rng, n):
+    """float32 ``(a, b)`` whose quotient lies ``r / (M S)`` (``|r| < 64``, about ``2**-49`` relative) from a float32
+    rounding midpoint ``M / 2**25``: the hardest inputs for a division rounded twice. For an odd 24-bit ``S`` and odd
+    ``r``, ``M = r * S**-1 mod 2**25`` (odd; kept when 25 bits long) makes ``M * S - r`` a multiple of ``2**25``, so
+    ``a = (M * S - r) / 2**25`` is an integer below ``2**24`` and ``a / S = M / 2**25 - r / (S * 2**25)``. Scaled by
+    powers of two (exact)."""
+    a, b = [], []
+    while len(a) < n:
+        s_ = int(rng.integers(1 << 22, 1 << 23)) * 2 + 1
+        r = int(rng.integers(-32, 32)) * 2 + 1
+        m = (r * pow(s_, -1, 1 << 25)) % (1 << 25)
+        if m >= 1 << 24:
+            a.append((m * s_ - r) >> 25)
+            b.append(s_)
+    a = np.array(a, np.float64) * np.exp2(rng.integers(-40, 40, n))
+    b = np.array(b, np.float64) * np.exp2(rng.integers(-40, 40, n))
+    return a.astype(np.float32), b.astype(np.float32)
+
+
 def test_div_rn_f64_is_ieee_float32_division():
     """The CUDA branch of div_rn: ``f32(f64(a) / f64(b))`` equals numpy's float32 ``a / b`` bit for bit (double
-    rounding is innocuous for division, 53 >= 2 * 24 + 2), on random operands, the scale and reciprocal cases, and
-    quotients next to float32 rounding midpoints (``a = (q + ulp/2) * b`` rounded, where a wrong rounding would
-    show)."""
+    rounding is innocuous for division, 53 >= 2 * 24 + 2) on random operands, the scale and reciprocal cases, and
+    quotients within ~2**-49 of a float32 rounding midpoint (:func:`_near_midpoint_pairs`); so does the float64
+    ``a * (1 / b)`` XLA's simplifier may substitute for a broadcast divisor. The lowered program divides in
+    float64 (a float32 division would pass the comparison on the CPU, so the test reads the lowering too)."""
     rng = np.random.default_rng(0)
     n = 1 << 18
     a, b = _normal_pairs(rng, n)
     a[:4], b[:4] = [1.0, 448.0, 1e-4, 3.0], [448.0, 448.0, 448.0, 7.0]
-    q = (rng.random(n) + 1).astype(np.float32)
-    mid = q.astype(np.float64) * (1 + 2.0 ** -24)
-    a_mid = (mid * b.astype(np.float64)).astype(np.float32)
-    a = np.concatenate([a, a_mid])
-    b = np.concatenate([b, b])
+    a_mid, b_mid = _near_midpoint_pairs(rng, 1 << 13)
+    a, b = np.concatenate([a, a_mid]), np.concatenate([b, b_mid])
     got = np.asarray(jax.jit(formats.div_rn_f64)(a, b))
     with np.errstate(all="ignore"):
         want = a / b
     normal = np.isfinite(want) & (np.abs(want) >= np.finfo(np.float32).tiny) & (np.abs(a) >= np.finfo(np.float32).tiny)
-    assert normal.sum() > 1.9 * n
+    assert normal.sum() > 0.95 * len(a) and normal[-(1 << 13):].all()
     np.testing.assert_array_equal(got[normal].view(np.int32), want[normal].view(np.int32))
-    # the float32 reciprocal-multiply XLA's simplifier would substitute is wrong on a good share of these inputs
-    approx = a * (np.float32(1) / b)
-    assert np.sum(approx[normal].view(np.int32) != want[normal].view(np.int32)) > n // 10
+    rewritten = (a.astype(np.float64) * (1.0 / b.astype(np.float64))).astype(np.float32)
+    np.testing.assert_array_equal(rewritten[normal].view(np.int32), want[normal].view(np.int32))
+    # the near-midpoint quotients do separate roundings: float32's reciprocal-multiply misses most of them
+    approx = a_mid * (np.float32(1) / b_mid)
+    assert np.sum(approx.view(np.int32) != want[-(1 << 13):].view(np.int32)) > (1 << 13) // 4
+    text = jax.jit(formats.div_rn_f64).lower(a, b).as_text()
+    assert re.search(r"stablehlo\.divide [^\n]*xf64>", text) and not re.search(r"stablehlo\.divide [^\n]*xf32>", text)
 
 
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
@@ -324,8 +345,22 @@ def test_every_jnp_quantizer_takes_the_exact_branch_when_lowered_for_cuda():
     }
     for name, (fn, arg) in progs.items():
         cuda, cpu = _cuda_text(fn, arg), _cpu_text(fn, arg)
-        assert "stablehlo.divide" in cuda and re.search(r"stablehlo\.divide %\S+, %\S+ : tensor<[0-9x]*xf64>", cuda), name
+        assert re.search(r"stablehlo\.divide [^\n]*xf64>", cuda), name
+        assert not re.search(r"stablehlo\.divide [^\n]*xf32>", cuda), name  # no float32 division left on CUDA
         assert "f64" not in cpu, name
+
+
+def test_infinite_values_saturate_like_torch_on_the_cpu():
+    """``x / s`` with ``x = +-inf`` and a finite scale is ``+-inf``, which the clip saturates to +-448 (torch's
+    ``(x / s).clamp(-448, 448)``); NaN stays NaN. The CPU division hides the broadcast divisor from XLA with
+    ``min(|x|, 0)``, which is 0 for infinite ``x`` (``x * 0`` would be NaN)."""
+    from fp8rl_jax.fp8.kv_cache import quantize_kv
+
+    x = np.array([[np.inf, -np.inf, np.nan, 1.0]], np.float32).reshape(1, 1, 1, 4)
+    got = np.asarray(jax.jit(lambda k: quantize_kv(k, jnp.float32(0.5)))(jnp.asarray(x))).astype(np.float32).ravel()
+    assert got[0] == 448.0 and got[1] == -448.0 and np.isnan(got[2]) and got[3] == 2.0, got
+    q = np.asarray(jax.jit(lambda v, s: formats.scale_values(v, s))(jnp.asarray(x.ravel()), jnp.float32(2.0)))
+    assert q.astype(np.float32).tolist()[:2] == [448.0, -448.0]
 
 
 # -- FP8 training with e5m2 gradients (item 4) and the MoE block (item 5), lowered for CUDA -----------------------------

@@ -152,7 +152,7 @@ def _div_ieee(a, b):
 
     The divisor gets ``min(|a|, 0)`` added: zero for every ``a`` but NaN (so ``inf / s`` stays ``inf``, which the
     FP8 clip saturates to the format's maximum as torch does), and not a constant to XLA, which therefore cannot
-    turn ``A / broadcast(B)`` into ``A * (1 / B)``."""
+    turn ``A / broadcast(B)`` into ``A * (1 / B)``. A divisor of ``-0.0`` becomes ``+0.0`` (scales are positive)."""
     return lax.div(a, b + jnp.minimum(jnp.abs(a), 0.0))
 
 
@@ -166,15 +166,16 @@ def div_rn_f64(a, b):
     division when the wider format has at least ``2p + 2`` bits (53 >= 2 * 24 + 2; S. Figueroa, "When is double
     rounding innocuous?", SIGNUM 1995). XLA:GPU compiles a float64 division to ``div.rn.f64`` (NVPTX has no
     approximate float64 division; its float32 one is ``div.full.f32``, ``-nvptx-prec-divf32=1``), so this is the
-    CUDA branch of :func:`div_rn` and of :func:`scale_values`: five operations where an integer
-    long division of the significands took ~150, and an approximate quotient fixed up near the FP8 rounding
-    midpoints ~130 (XLA:GPU compiled the engine's FP8 decode step ~1-4 s slower per decoder layer with those:
-    ``benchmarks/compile_stages.py``). Float64 is enabled for these operations only (``jax.enable_x64``); the
-    inputs and the result are float32. Should XLA rewrite the division into ``a * (1 / b)`` (it does so for a
-    broadcast divisor), the float32 result is still IEEE's: that product is within ``2**-52`` (relative) of the
-    quotient, and a quotient of two float32 values that is not a float32 rounding midpoint lies at least ``2**-49``
-    from every midpoint. Zeros, infinities and NaN follow IEEE; a float32-subnormal quotient is
-    rounded once, from float64, as IEEE float32 division rounds it.
+    CUDA branch of :func:`div_rn` and of :func:`scale_values`: five operations where an integer long division of
+    the significands (scales) and an approximate quotient fixed up near the FP8 rounding midpoints (values) made
+    fusions of ~250 and ~130 HLO instructions at each quantization site (XLA:GPU compiled the engine's FP8 decode
+    step 5.8 s slower per decoder layer with those: ``benchmarks/compile_stages.py``). Float64 is enabled for these
+    operations only (``jax.enable_x64``); the inputs and the result are float32. Should XLA rewrite the division
+    into ``a * (1 / b)`` (it does so for a broadcast divisor), a normal float32 result is still IEEE's: that product
+    is within ``2**-52`` (relative) of the quotient, and a quotient of two float32 values that is not a rounding
+    midpoint lies at least ``2**-49`` from every midpoint of the normal range (a subnormal quotient may then be
+    one unit off; scales and reciprocals are never subnormal, and such values quantize to FP8 zero). Zeros,
+    infinities and NaN follow IEEE.
 
     Args:
       a, b: float32 arrays of one shape (or broadcastable).
