@@ -52,7 +52,7 @@ train: setup
 # first) and, side by side with them, one
 # lane of: the CUDA environment's set-up, the GPU programs compiled for an H100 (sm_90a) on this CPU, then the example
 # notebooks executed in fresh kernels (tests/test_notebooks.py -m notebooks). The lane compiles every program of
-# `make compile-h100` but: the two 16-device 30B-A3B train steps (~3 min; benchmarks/ep_mesh_model.py --compile),
+# `make compile-h100` but: the two 16-device 30B-A3B train steps (~2 min of compile; benchmarks/ep_mesh_model.py --compile),
 # the 8-device copies of the fp16/e4m3/e5m2 train steps and the bf16 8-device one (the fp8 8-device one keeps the
 # sharded train step), the e5m2 1-device train step (the e4m3 one compiles the same FP8 training code with the
 # other format), the FP8-KV generate at b=128 (its b=1 program keeps the FP8-KV kernels) and the 4-layer generate
