@@ -11,9 +11,10 @@ one module per kernel. Importing this package imports none of them (kernels buil
 * :mod:`~fp8rl_jax.kernels.decode_gemm_mgpu`: the swap-AB split-K / stream-K W8A8 decode GEMM (M <= 64; Mosaic GPU,
   FP8 wgmma), with its tuning config and a ``main`` that times it;
 * :mod:`~fp8rl_jax.kernels.mosaic_gemm`: the W8A8 blockwise GEMM for M > 64 (prefill, FP8 training, MoE prefill;
-  Mosaic GPU, FP8 wgmma, TMA pipeline);
+  Mosaic GPU, FP8 wgmma, TMA pipeline), with a ``main`` that times it against bf16 at the Qwen3-8B prefill shapes;
 * :mod:`~fp8rl_jax.kernels.pallas_quant`: blockwise e4m3 quantization (weights 128x128, activations 1x128) and the
-  batched export quantizer;
+  batched export quantizer, with a ``main`` that times it against XLA's jnp quantizers;
+* :mod:`~fp8rl_jax.kernels.timing`: the ``main`` functions' jitted timing loop and table;
 * :mod:`~fp8rl_jax.kernels.pallas_grouped`: the grouped W8A8 MoE expert GEMM (decode-sized routed rows);
 * :mod:`~fp8rl_jax.kernels.pallas_attention`: decode and prefill attention reading the e4m3 KV cache;
 * :mod:`~fp8rl_jax.kernels.pallas_decode`, :mod:`~fp8rl_jax.kernels.pallas_gemm`: see below.
@@ -24,5 +25,7 @@ GPU A/B runs compare against (and holds the self-tests' shared operands and floa
 decode kernel (``pallas_decode``, ``impl="fused"``) still serves e5m2 weights at M <= 64 (the swap-AB kernel is
 e4m3 only) and is the baseline of ``benchmarks/gpu_queue/10_decode_gemm_ab.py``. Both go once a GPU run has
 measured their replacements. The older modules keep their ``pallas_*`` / ``mosaic_*`` names (moved from
-``fp8rl_jax/fp8/`` unchanged); only ``decode_gemm_mgpu`` has a timing ``main`` so far.
+``fp8rl_jax/fp8/`` unchanged). Timing ``main`` functions (``python -m fp8rl_jax.kernels.<module>``, ``--smoke`` for
+a CPU run in interpret mode): ``decode_gemm_mgpu``, ``mosaic_gemm``, ``pallas_quant``; not yet the attention and
+grouped kernels (``benchmarks/bench_kv_cache.py`` and ``benchmarks/bench_moe_grouped.py`` time those).
 """

@@ -628,37 +628,49 @@ QWEN3_8B_DECODE = (("qkv", 6144, 4096), ("o_proj", 4096, 4096), ("gate_up", 2457
 QWEN3_30B_A3B_DECODE = (("qkv", 5120, 2048), ("o_proj", 2048, 4096))
 
 
-def main(argv=None) -> None:  # pragma: no cover - needs a Hopper GPU
-    """Time the Qwen3-8B decode GEMMs on the GPU in a jitted loop (``--m``, ``--iters``): per shape and candidate
-    configuration, microseconds per call and the weight bytes over that time (TB/s). Prints a table."""
+def main(argv=None) -> None:
+    """Time the Qwen3-8B decode GEMMs (``--m`` tokens, default 1,8,16,64) per shape and candidate configuration
+    (:func:`choose_config`'s and the same with a 4-stage ring), against XLA's bf16 ``dot_general`` of the same
+    shape: microseconds per call in a jitted loop (:func:`fp8rl_jax.kernels.timing.per_call_us`) and the weight bytes
+    over that time (TB/s; issue 37 item 1's goal: >= 80% of the HBM bandwidth at M <= 16). On a Hopper GPU;
+    ``--smoke`` runs one tiny shape in Mosaic GPU's interpreter on the CPU (numbers meaningless).
+
+    Raises:
+      SystemExit: bad flags (argparse).
+    """
     import argparse
-    import time
 
     import numpy as np
 
-    p = argparse.ArgumentParser(description=main.__doc__)
+    from fp8rl_jax.kernels.timing import per_call_us, print_table
+
+    p = argparse.ArgumentParser(prog="python -m fp8rl_jax.kernels.decode_gemm_mgpu", description=main.__doc__)
     p.add_argument("--m", default="1,8,16,64")
     p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--smoke", action="store_true", help="one 2-token 128 x 256 product in interpret mode (CPU)")
     args = p.parse_args(argv)
+    shapes, ms, iters = ((("tiny", 128, 256),), (2,), 1) if args.smoke else (
+        QWEN3_8B_DECODE, [int(v) for v in args.m.split(",")], args.iters)
     rng = np.random.default_rng(0)
-    print(f"{'shape':10} {'M':>3} {'config':44} {'us':>8} {'TB/s':>6}")
-    for name, n, k in QWEN3_8B_DECODE:
-        wq = jnp.asarray(rng.standard_normal((n, k)), jnp.float8_e4m3fn)
+    rows = []
+    for name, n, k in shapes:
+        w = jnp.asarray(rng.standard_normal((n, k)) * 0.05, jnp.bfloat16)
+        wq = w.astype(jnp.float8_e4m3fn)
         ws = jnp.ones((n // 128, k // 128), jnp.float32)
-        for m in (int(v) for v in args.m.split(",")):
-            xq = jnp.asarray(rng.standard_normal((m, k)), jnp.float8_e4m3fn)
+        for m in ms:
+            x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+            xq = x.astype(jnp.float8_e4m3fn)
             xs = jnp.ones((m, k // 128), jnp.float32)
-            for cfg in {choose_config(n, k, m), dataclasses.replace(choose_config(n, k, m), stages=4)}:
-                @jax.jit
-                def loop(xq, xs, wq, ws, cfg=cfg):
-                    def body(_, acc):
-                        return acc + decode_w8a8_matmul(xq, xs, wq, ws, config=cfg)[0, 0]
-                    return lax.fori_loop(0, args.iters, body, jnp.float32(0))
-                loop(xq, xs, wq, ws).block_until_ready()
-                t = time.perf_counter()
-                loop(xq, xs, wq, ws).block_until_ready()
-                us = (time.perf_counter() - t) / args.iters * 1e6
-                print(f"{name:10} {m:3d} {str(cfg):44.44} {us:8.1f} {n * k / us / 1e6:6.2f}")
+            bf16_us = per_call_us(lambda a, b: jnp.dot(a, b.T, preferred_element_type=jnp.float32), (x, w), iters)
+            base = choose_config(n, k, m)
+            cfgs = [base] if args.smoke else list(dict.fromkeys([base, dataclasses.replace(base, stages=4)]))
+            for cfg in cfgs:
+                us = per_call_us(functools.partial(decode_w8a8_matmul, config=cfg, interpret=args.smoke),
+                                 (xq, xs, wq, ws), iters)
+                rows.append((name, m, _config_name(cfg), us, n * k / us / 1e6, bf16_us, 2 * n * k / bf16_us / 1e6,
+                             bf16_us / us))
+    print(f"FP8 swap-AB decode GEMM vs bf16 dot_general on {jax.devices()[0].device_kind}; jax {jax.__version__}")
+    print_table(("shape", "M", "config", "fp8 us", "fp8 TB/s", "bf16 us", "bf16 TB/s", "speedup"), rows)
 
 
 if __name__ == "__main__":  # pragma: no cover

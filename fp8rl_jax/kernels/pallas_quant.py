@@ -431,3 +431,53 @@ def _selftest_quant() -> None:
 
 
 register_selftest("quant", _selftest_quant)
+
+
+def main(argv=None) -> None:
+    """Time the quantization kernels against XLA's jnp quantizers (:mod:`fp8rl_jax.fp8.quant`, the same numerics) at
+    Qwen3-8B shapes: the activations of a prefill (``--m`` rows x 4096 and x 12288, 1 x 128 groups) and the weights
+    (gate/up 24576 x 4096 and down 12288 x 4096, 128 x 128 blocks; the per-step export), as microseconds and GB/s of
+    bf16 read + e4m3 written. On a GPU; ``--smoke`` runs tiny shapes in interpret mode on the CPU (numbers
+    meaningless).
+
+    Raises:
+      SystemExit: bad flags (argparse).
+    """
+    import argparse
+
+    import numpy as np
+
+    from fp8rl_jax.fp8 import quant
+    from fp8rl_jax.kernels.timing import per_call_us, print_table
+
+    p = argparse.ArgumentParser(prog="python -m fp8rl_jax.kernels.pallas_quant", description=main.__doc__)
+    p.add_argument("--m", type=int, default=4096)
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--smoke", action="store_true", help="tiny shapes in interpret mode (CPU)")
+    args = p.parse_args(argv)
+    if args.smoke:
+        cases = (("activations", (64, 256)), ("weights", (256, 256)))
+        iters = 1
+    else:
+        cases = (("activations", (args.m, 4096)), ("activations", (args.m, 12288)), ("weights", (24576, 4096)),
+                 ("weights", (4096, 12288)))
+        iters = args.iters
+    rng = np.random.default_rng(0)
+    rows = []
+    for kind, shape in cases:
+        x = jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
+        if kind == "activations":
+            kernel = functools.partial(pallas_quantize_activation_groupwise, interpret=args.smoke, check=False)
+            xla = functools.partial(quant.quantize_activation_groupwise, check=False)
+        else:
+            kernel = functools.partial(pallas_quantize_weight_blockwise, interpret=args.smoke, check=False)
+            xla = functools.partial(quant.quantize_weight_blockwise, check=False)
+        gb = x.size * 3 / 1e9  # bf16 read + e4m3 written (scales are 1/128 or 1/16384 of it)
+        k_us, x_us = per_call_us(kernel, (x,), iters), per_call_us(xla, (x,), iters)
+        rows.append((kind, "x".join(map(str, shape)), k_us, gb / k_us * 1e6, x_us, gb / x_us * 1e6, x_us / k_us))
+    print(f"FP8 quantization kernels vs XLA's jnp quantizers on {jax.devices()[0].device_kind}; jax {jax.__version__}")
+    print_table(("what", "shape", "kernel us", "kernel GB/s", "xla us", "xla GB/s", "kernel speedup"), rows)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()
