@@ -3,7 +3,8 @@ it against XLA's path at the Qwen3 shapes on a GPU. Here each ``main`` runs its 
 the kernel's interpreter on the CPU) so that the ``main`` functions keep working between GPU runs; the table must
 hold one row per case with positive times and the kernel's name on the title line. The kernels' numerics are tested
 against float64 references elsewhere (tests/test_mosaic_gemm.py, tests/test_decode_gemm_mgpu.py,
-tests/test_fp8_pallas.py); the timings themselves mean something only on the GPU."""
+tests/test_fp8_pallas.py, tests/test_fp8_attention_kernel.py, tests/test_grouped_matmul.py); the timings themselves
+mean something only on the GPU."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ import pytest
 from fp8rl_jax.kernels import timing
 
 MAINS = {"mosaic_gemm": ("W8A8 Mosaic GPU GEMM", 1), "decode_gemm_mgpu": ("FP8 swap-AB decode GEMM", 1),
-         "pallas_quant": ("FP8 quantization kernels", 2)}
+         "pallas_quant": ("FP8 quantization kernels", 2), "pallas_attention": ("FP8 KV decode attention", 1),
+         "pallas_grouped": ("Grouped W8A8 expert GEMM", 1)}
 
 
 @pytest.mark.parametrize("module", sorted(MAINS))

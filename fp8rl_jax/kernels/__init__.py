@@ -15,8 +15,10 @@ one module per kernel. Importing this package imports none of them (kernels buil
 * :mod:`~fp8rl_jax.kernels.pallas_quant`: blockwise e4m3 quantization (weights 128x128, activations 1x128) and the
   batched export quantizer, with a ``main`` that times it against XLA's jnp quantizers;
 * :mod:`~fp8rl_jax.kernels.timing`: the ``main`` functions' jitted timing loop and table;
-* :mod:`~fp8rl_jax.kernels.pallas_grouped`: the grouped W8A8 MoE expert GEMM (decode-sized routed rows);
-* :mod:`~fp8rl_jax.kernels.pallas_attention`: decode and prefill attention reading the e4m3 KV cache;
+* :mod:`~fp8rl_jax.kernels.pallas_grouped`: the grouped W8A8 MoE expert GEMM (decode-sized routed rows), with a
+  timing ``main``;
+* :mod:`~fp8rl_jax.kernels.pallas_attention`: decode and prefill attention reading the e4m3 KV cache, with a timing
+  ``main`` (decode);
 * :mod:`~fp8rl_jax.kernels.pallas_decode`, :mod:`~fp8rl_jax.kernels.pallas_gemm`: see below.
 
 Kernels no "auto" path chooses, and why they stay: the Pallas-Triton tiled W8A8 GEMM (``pallas_gemm``,
@@ -26,6 +28,7 @@ decode kernel (``pallas_decode``, ``impl="fused"``) still serves e5m2 weights at
 e4m3 only) and is the baseline of ``benchmarks/gpu_queue/10_decode_gemm_ab.py``. Both go once a GPU run has
 measured their replacements. The older modules keep their ``pallas_*`` / ``mosaic_*`` names (moved from
 ``fp8rl_jax/fp8/`` unchanged). Timing ``main`` functions (``python -m fp8rl_jax.kernels.<module>``, ``--smoke`` for
-a CPU run in interpret mode): ``decode_gemm_mgpu``, ``mosaic_gemm``, ``pallas_quant``; not yet the attention and
-grouped kernels (``benchmarks/bench_kv_cache.py`` and ``benchmarks/bench_moe_grouped.py`` time those).
+a CPU run in interpret mode): ``decode_gemm_mgpu``, ``mosaic_gemm``, ``pallas_quant``, ``pallas_attention`` and
+``pallas_grouped``, each against XLA's path; the two kept baselines (``pallas_gemm``, ``pallas_decode``) are timed by
+``benchmarks/bench_fp8_matmul.py`` and ``benchmarks/gpu_queue/10_decode_gemm_ab.py``.
 """
