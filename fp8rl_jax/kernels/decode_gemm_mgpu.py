@@ -638,17 +638,13 @@ def main(argv=None) -> None:
     Raises:
       SystemExit: bad flags (argparse).
     """
-    import argparse
-
     import numpy as np
 
-    from fp8rl_jax.kernels.timing import per_call_us, print_table
+    from fp8rl_jax.kernels.timing import main_parser, per_call_us, print_table
 
-    p = argparse.ArgumentParser(prog="python -m fp8rl_jax.kernels.decode_gemm_mgpu", description=main.__doc__)
+    p = main_parser("decode_gemm_mgpu", main.__doc__, iters=50)
     p.add_argument("--m", default="1,8,16,64")
-    p.add_argument("--iters", type=int, default=50)
-    p.add_argument("--smoke", action="store_true", help="one 2-token 128 x 256 product in interpret mode (CPU)")
-    args = p.parse_args(argv)
+    args = p.parse_args(argv)  # --smoke: one 2-token 128 x 256 product
     shapes, ms, iters = ((("tiny", 128, 256),), (2,), 1) if args.smoke else (
         QWEN3_8B_DECODE, [int(v) for v in args.m.split(",")], args.iters)
     rng = np.random.default_rng(0)
@@ -669,8 +665,7 @@ def main(argv=None) -> None:
                                  (xq, xs, wq, ws), iters)
                 rows.append((name, m, _config_name(cfg), us, n * k / us / 1e6, bf16_us, 2 * n * k / bf16_us / 1e6,
                              bf16_us / us))
-    print(f"FP8 swap-AB decode GEMM vs bf16 dot_general on {jax.devices()[0].device_kind}; jax {jax.__version__}")
-    print_table(("shape", "M", "config", "fp8 us", "fp8 TB/s", "bf16 us", "bf16 TB/s", "speedup"), rows)
+    print_table("FP8 swap-AB decode GEMM vs bf16 dot_general", ("shape", "M", "config", "fp8 us", "fp8 TB/s", "bf16 us", "bf16 TB/s", "speedup"), rows)
 
 
 if __name__ == "__main__":  # pragma: no cover

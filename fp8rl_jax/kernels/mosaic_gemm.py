@@ -745,18 +745,14 @@ def main(argv=None) -> None:
     Raises:
       SystemExit: bad flags (argparse).
     """
-    import argparse
-
     import numpy as np
 
     from fp8rl_jax.kernels.pallas_quant import pallas_quantize_activation_groupwise
-    from fp8rl_jax.kernels.timing import per_call_us, print_table
+    from fp8rl_jax.kernels.timing import main_parser, per_call_us, print_table
 
-    p = argparse.ArgumentParser(prog="python -m fp8rl_jax.kernels.mosaic_gemm", description=main.__doc__)
+    p = main_parser("mosaic_gemm", main.__doc__, iters=20)
     p.add_argument("--m", type=int, default=4096)
-    p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--smoke", action="store_true", help="a 64 x 128 x 128 product in interpret mode (CPU)")
-    args = p.parse_args(argv)
+    args = p.parse_args(argv)  # --smoke: a 64 x 128 x 128 product
     shapes, m, iters = (QWEN3_8B_PREFILL, args.m, args.iters) if not args.smoke else ((("tiny", 128, 128),), 64, 1)
     rng = np.random.default_rng(0)
     rows = []
@@ -781,8 +777,7 @@ def main(argv=None) -> None:
         fq_us = per_call_us(fp8_quant, (x, wq, ws), iters)
         rows.append((name, m, n, k, bf16_us, flop / bf16_us / 1e6, fp8_us, flop / fp8_us / 1e6, fq_us,
                      bf16_us / fp8_us, bf16_us / fq_us))
-    print(f"W8A8 Mosaic GPU GEMM vs bf16 dot_general on {jax.devices()[0].device_kind}; jax {jax.__version__}")
-    print_table(("shape", "M", "N", "K", "bf16 us", "bf16 TF/s", "fp8 us", "fp8 TF/s", "fp8+quant us",
+    print_table("W8A8 Mosaic GPU GEMM vs bf16 dot_general", ("shape", "M", "N", "K", "bf16 us", "bf16 TF/s", "fp8 us", "fp8 TF/s", "fp8+quant us",
                  "fp8/bf16", "fp8+quant/bf16"), rows)
 
 

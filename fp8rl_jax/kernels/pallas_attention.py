@@ -503,17 +503,13 @@ def main(argv=None) -> None:
     Raises:
       SystemExit: bad flags (argparse).
     """
-    import argparse
-
     import numpy as np
 
-    from fp8rl_jax.kernels.timing import per_call_us, print_table
+    from fp8rl_jax.kernels.timing import main_parser, per_call_us, print_table
 
-    p = argparse.ArgumentParser(prog="python -m fp8rl_jax.kernels.pallas_attention", description=main.__doc__)
+    p = main_parser("pallas_attention", main.__doc__, iters=20)
     p.add_argument("--batch", default="1,32,128")
     p.add_argument("--context", type=int, default=4096)
-    p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--smoke", action="store_true", help="one tiny shape in interpret mode (CPU)")
     args = p.parse_args(argv)
     if args.smoke:
         batches, t, hq, hkv, d, iters = (1,), 32, 4, 2, 16, 1
@@ -545,8 +541,7 @@ def main(argv=None) -> None:
         mat_us = per_call_us(materialized, (q, k8, v8, mask), iters)
         k_us = per_call_us(kernel, (q, k8, v8, mask, slot), iters)
         rows.append((b, t, bf_us, gb16 / bf_us * 1e6, mat_us, k_us, gb8 / k_us * 1e6, bf_us / k_us))
-    print(f"FP8 KV decode attention vs XLA on {jax.devices()[0].device_kind}; jax {jax.__version__}")
-    print_table(("batch", "context", "bf16 cache us", "bf16 GB/s", "e4m3 materialized us", "e4m3 kernel us",
+    print_table("FP8 KV decode attention vs XLA", ("batch", "context", "bf16 cache us", "bf16 GB/s", "e4m3 materialized us", "e4m3 kernel us",
                  "kernel GB/s", "kernel vs bf16"), rows)
 
 

@@ -191,16 +191,12 @@ def main(argv=None) -> None:
     Raises:
       SystemExit: bad flags (argparse).
     """
-    import argparse
-
     import numpy as np
 
-    from fp8rl_jax.kernels.timing import per_call_us, print_table
+    from fp8rl_jax.kernels.timing import main_parser, per_call_us, print_table
 
-    p = argparse.ArgumentParser(prog="python -m fp8rl_jax.kernels.pallas_grouped", description=main.__doc__)
+    p = main_parser("pallas_grouped", main.__doc__, iters=20)
     p.add_argument("--tokens", default="8,256,2048")
-    p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--smoke", action="store_true", help="one tiny shape in interpret mode (CPU)")
     args = p.parse_args(argv)
     if args.smoke:
         experts, shapes, tokens, iters = 4, (("tiny", 128, 256),), (8,), 1
@@ -227,8 +223,7 @@ def main(argv=None) -> None:
             gb = reached * n * k / 1e9
             rows.append((name, t, reached, kernel_us, gb / kernel_us * 1e6, xla_us, 2 * gb / xla_us * 1e6,
                          xla_us / kernel_us))
-    print(f"Grouped W8A8 expert GEMM vs bf16 ragged_dot on {jax.devices()[0].device_kind}; jax {jax.__version__}")
-    print_table(("shape", "rows", "experts hit", "fp8 us", "fp8 GB/s", "bf16 us", "bf16 GB/s", "speedup"), rows)
+    print_table("Grouped W8A8 expert GEMM vs bf16 ragged_dot", ("shape", "rows", "experts hit", "fp8 us", "fp8 GB/s", "bf16 us", "bf16 GB/s", "speedup"), rows)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -443,17 +443,13 @@ def main(argv=None) -> None:
     Raises:
       SystemExit: bad flags (argparse).
     """
-    import argparse
-
     import numpy as np
 
     from fp8rl_jax.fp8 import quant
-    from fp8rl_jax.kernels.timing import per_call_us, print_table
+    from fp8rl_jax.kernels.timing import main_parser, per_call_us, print_table
 
-    p = argparse.ArgumentParser(prog="python -m fp8rl_jax.kernels.pallas_quant", description=main.__doc__)
+    p = main_parser("pallas_quant", main.__doc__, iters=20)
     p.add_argument("--m", type=int, default=4096)
-    p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--smoke", action="store_true", help="tiny shapes in interpret mode (CPU)")
     args = p.parse_args(argv)
     if args.smoke:
         cases = (("activations", (64, 256)), ("weights", (256, 256)))
@@ -475,8 +471,7 @@ def main(argv=None) -> None:
         gb = x.size * 3 / 1e9  # bf16 read + e4m3 written (scales are 1/128 or 1/16384 of it)
         k_us, x_us = per_call_us(kernel, (x,), iters), per_call_us(xla, (x,), iters)
         rows.append((kind, "x".join(map(str, shape)), k_us, gb / k_us * 1e6, x_us, gb / x_us * 1e6, x_us / k_us))
-    print(f"FP8 quantization kernels vs XLA's jnp quantizers on {jax.devices()[0].device_kind}; jax {jax.__version__}")
-    print_table(("what", "shape", "kernel us", "kernel GB/s", "xla us", "xla GB/s", "kernel speedup"), rows)
+    print_table("FP8 quantization kernels vs XLA's jnp quantizers", ("what", "shape", "kernel us", "kernel GB/s", "xla us", "xla GB/s", "kernel speedup"), rows)
 
 
 if __name__ == "__main__":  # pragma: no cover

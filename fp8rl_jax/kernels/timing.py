@@ -10,6 +10,7 @@ look at one kernel.
 
 from __future__ import annotations
 
+import argparse
 import time
 from collections.abc import Callable, Sequence
 
@@ -55,8 +56,25 @@ def per_call_us(fn: Callable, args: Sequence, iters: int = 20) -> float:
     return (time.perf_counter() - t0) / iters * 1e6
 
 
-def print_table(header: Sequence[str], rows: Sequence[Sequence]) -> None:
-    """Print ``rows`` under ``header`` as aligned columns (floats with 2 decimals)."""
+def main_parser(module: str, doc: str, iters: int) -> argparse.ArgumentParser:
+    """The argument parser every kernel ``main`` starts from: ``--iters`` (calls per timed loop, default ``iters``)
+    and ``--smoke`` (tiny shapes in the kernel's interpreter on a CPU); the ``main`` adds its own shape flags.
+
+    Args:
+      module: the kernel module's name (``python -m fp8rl_jax.kernels.<module>``). doc: the ``main``'s docstring.
+      iters: the default of ``--iters``.
+    """
+    p = argparse.ArgumentParser(prog=f"python -m fp8rl_jax.kernels.{module}", description=doc)
+    p.add_argument("--iters", type=int, default=iters)
+    p.add_argument("--smoke", action="store_true", help="tiny shapes in the kernel's interpreter (CPU; numbers "
+                   "meaningless)")
+    return p
+
+
+def print_table(title: str, header: Sequence[str], rows: Sequence[Sequence]) -> None:
+    """Print ``title`` with the device kind and jax version, then ``rows`` under ``header`` as aligned columns (floats
+    with 2 decimals)."""
+    print(f"{title} on {jax.devices()[0].device_kind}; jax {jax.__version__}")
     cells = [[f"{v:.2f}" if isinstance(v, float) else str(v) for v in r] for r in rows]
     widths = [max(len(h), *(len(r[i]) for r in cells)) if cells else len(h) for i, h in enumerate(header)]
     print("  ".join(h.rjust(w) for h, w in zip(header, widths)))
