@@ -69,14 +69,17 @@ TEST_XLA_CACHE ?= $(H100_COMPILE_DIR)/xla-cache
 # The lane runs niced: the tests are the critical path (alone on the 2-core machine they take ~32 min of wall and
 # ~49 CPU-minutes, test/compile CPU mostly single-threaded per process), and at equal priority the lane's compiles
 # and notebooks took a third of both cores from them for ~30 min (the whole run took 59-65 min; the multi-process
-# tests, whose subprocesses wait on each other, slowed up to 4x). At niceness 10 (the CUDA set-up and compiles) and
-# 5 (the notebooks, whose budgets are checked on CPU time) the lane takes what the tests leave idle.
+# tests, whose subprocesses wait on each other, slowed up to 4x). At niceness 10 (the compiles) and 5 (the
+# notebooks, whose budgets are checked on CPU time) the lane takes what the tests leave idle. `make setup-cuda` is
+# not niced: four tests compile in .venv-cuda, and they wait for it (tests/conftest.py run_in_cuda_venv reads
+# FP8RL_CUDA_VENV_LANE_RC: until .venv-cuda/.cuda-ok exists, or fail when the lane ended without it).
 LANE_NICE ?= 10
 NOTEBOOKS_NICE ?= 5
 test: setup-test
-	@mkdir -p $(H100_COMPILE_DIR) && rm -rf $(TEST_XLA_CACHE) && mkdir -p $(TEST_XLA_CACHE)
-	@export JAX_COMPILATION_CACHE_DIR=$(abspath $(TEST_XLA_CACHE)) JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0; \
-	( ( nice -n $(LANE_NICE) make --no-print-directory setup-cuda && \
+	@mkdir -p $(H100_COMPILE_DIR) && rm -rf $(TEST_XLA_CACHE) $(H100_COMPILE_DIR)/*.rc && mkdir -p $(TEST_XLA_CACHE)
+	@export JAX_COMPILATION_CACHE_DIR=$(abspath $(TEST_XLA_CACHE)) JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 \
+	  FP8RL_CUDA_VENV_LANE_RC=$(abspath $(H100_COMPILE_DIR))/compile.rc; \
+	( ( make --no-print-directory setup-cuda && \
 	     nice -n $(LANE_NICE) $(PY_CUDA) scripts/compile_h100.py --jobs=1 --no_layer_count \
 	       --exclude 'train_moe_fp8_fsdp*' train_fp16_8dev train_bf16_8dev train_fp8_e4m3_8dev 'train_fp8_e5m2_*' \
 	       generate_fp8_kv_b128 --output_dir=$(H100_COMPILE_DIR) ) \

@@ -6,6 +6,7 @@
     python scripts/train.py ... --output_dir=DIR --resume=auto # continue if DIR has a checkpoint, else start
     python scripts/train.py ... --output_dir=DIR --overwrite   # replace an earlier run in DIR
     python scripts/train.py ... --coordinator_address=HOST0:PORT --num_processes=2 --process_id=I   # one per host
+    python scripts/train.py ... --compilation_cache_dir=DIR       # JAX's persistent compilation cache ('' = off)
 
 A new run refuses an --output_dir that holds an earlier run's metrics or checkpoints (exit 2, one line naming
 --resume and --overwrite), and --resume refuses a directory without a checkpoint, before any work.
@@ -48,6 +49,11 @@ def main(argv=None) -> int:
                         help="multi-host: host:port of process 0 (jax.distributed; gin distributed.coordinator_address)")
     parser.add_argument("--num_processes", type=int, default=None, help="multi-host: processes in the job")
     parser.add_argument("--process_id", type=int, default=None, help="multi-host: this process's index")
+    parser.add_argument("--compilation_cache_dir", default=None,
+                        help="JAX's persistent compilation cache: compiled programs are loaded, not compiled, by the "
+                             "next run. Default: $JAX_COMPILATION_CACHE_DIR if set, else ~/.cache/fp8rl_jax/xla on "
+                             "a machine with an NVIDIA GPU, else off; '' turns it off "
+                             "(fp8rl_jax/trainer/compile_cache.py)")
     args = parser.parse_args(argv)
     if args.print_config:
         error = parse_gin_flags(args)
@@ -67,6 +73,12 @@ def main(argv=None) -> int:
     if error:
         return fail(error)
     from fp8rl_jax.trainer import distributed
+    from fp8rl_jax.trainer.compile_cache import enable_compilation_cache, resolve_cache_dir
+
+    try:
+        enable_compilation_cache(resolve_cache_dir(args.compilation_cache_dir))
+    except OSError as e:
+        return fail(str(e))
 
     try:  # before any JAX computation: join the other hosts' processes
         flags = {k: v for k, v in (("coordinator_address", args.coordinator_address),

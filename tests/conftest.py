@@ -264,6 +264,37 @@ def run_worker_script(script: str, mode: str, *args: str, devices: int = 8, time
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
+def _wait_for_the_lanes_cuda_venv(ready: str, limit_s: float = 1800.0) -> None:
+    """Under ``make test`` (FP8RL_CUDA_VENV_LANE_RC set), the lane beside the tests builds .venv-cuda: wait until its
+    ``ready`` marker exists; fail (never skip) when the lane's exit-status file appears without it (the set-up failed)
+    or after ``limit_s``. Elsewhere: return at once."""
+    import time
+
+    lane_rc = os.environ.get("FP8RL_CUDA_VENV_LANE_RC")
+    if not lane_rc:
+        return
+    t0 = time.monotonic()
+    while not os.path.exists(ready):
+        if os.path.exists(lane_rc):
+            pytest.fail(f"make setup-cuda failed in make test's lane ({lane_rc} written, {ready} missing): see "
+                        f"{os.path.join(os.path.dirname(lane_rc), 'compile.log')}")
+        if time.monotonic() - t0 > limit_s:
+            pytest.fail(f"{ready} did not appear within {limit_s:.0f} s of waiting for make test's `make setup-cuda`")
+        time.sleep(5)
+
+
+def require_cuda_venv() -> str:
+    """The path of ``.venv-cuda``'s Python (JAX's CUDA plugin, for deviceless sm_90a compiles): under ``make test``
+    once the lane has built it (:func:`_wait_for_the_lanes_cuda_venv`); skips the test when there is none (run
+    ``make setup-cuda``)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    _wait_for_the_lanes_cuda_venv(os.path.join(root, ".venv-cuda", ".cuda-ok"))
+    cuda_py = os.path.join(root, ".venv-cuda", "bin", "python")
+    if not os.path.exists(cuda_py):
+        pytest.skip("needs .venv-cuda with jax[cuda13] for the deviceless sm_90a compile: run `make setup-cuda`")
+    return cuda_py
+
+
 def run_in_cuda_venv(code: str, timeout: int = 600) -> dict:
     """Run ``code`` with ``.venv-cuda``'s Python (JAX's CUDA plugin, deviceless sm_90a compiles; no GPU needed) and
     return the JSON object on its last stdout line; skipped when ``.venv-cuda`` is missing (``make setup-cuda``)."""
@@ -271,9 +302,7 @@ def run_in_cuda_venv(code: str, timeout: int = 600) -> dict:
     import subprocess
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    cuda_py = os.path.join(root, ".venv-cuda", "bin", "python")
-    if not os.path.exists(cuda_py):
-        pytest.skip("needs .venv-cuda with jax[cuda13] for the deviceless sm_90a compile: run `make setup-cuda`")
+    cuda_py = require_cuda_venv()
     env = {**os.environ, "PYTHONPATH": root, "JAX_SKIP_CUDA_CONSTRAINTS_CHECK": "1"}
     for var in ("JAX_PLATFORMS", "XLA_FLAGS"):
         env.pop(var, None)

@@ -250,8 +250,9 @@ _COMPILE = textwrap.dedent("""
 
 
 def test_sm90a_decode_gemm_loop_reads_under_the_limit(tmp_path):
-    if not CUDA_PY.exists():
-        pytest.skip("needs .venv-cuda with jax[cuda13] for the deviceless sm_90a compile: run `make setup-cuda`")
+    from conftest import require_cuda_venv
+
+    require_cuda_venv()
     env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_SKIP_CUDA_CONSTRAINTS_CHECK": "1"}
     for var in ("JAX_PLATFORMS", "XLA_FLAGS", "MOSAIC_GPU_DUMP_TO", "JAX_COMPILATION_CACHE_DIR"):
         env.pop(var, None)

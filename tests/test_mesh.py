@@ -350,7 +350,11 @@ def test_micro_batches_equal_the_whole_minibatch(tiny_dense, case, on_policy):
     micro = nnx.jit(lambda m, b: loss_and_grads(m, b, StepOptions(lc, 1.0, micro_batch_size=2), on_policy))(model, batch)
     gw, gm = grads_dict(whole[0]), grads_dict(micro[0])
     assert max(float(np.abs(v).max()) for v in gw.values()) > 1e-4  # a real gradient
-    assert max_err(gm, gw) <= 1e-7, case
+    # float32 reorderings only (the rows summed in 4 micro-batches): within RTOL plus an absolute 1e-6 for entries
+    # near zero. The reordering error depends on the host's vector width: 1.18e-7 past RTOL on a 2-core AMD EPYC
+    # with AVX-512 (2026-11-29, seq-mean-token-sum-norm+reinforce-seqIS), under 1e-7 on the Intel hosts; a wrong
+    # normalization of a micro-batch is off by a fraction of the gradient itself (max above > 1e-4).
+    assert max_err(gm, gw) <= 1e-6, case
     np.testing.assert_allclose(float(micro[1]), float(whole[1]), rtol=2e-5, atol=1e-6)  # float32 reorderings
     assert sorted(micro[2]) == sorted(whole[2])
     for k in whole[2]:  # rollout-correction weights' metrics and actor metrics: those of the whole minibatch

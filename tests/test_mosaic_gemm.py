@@ -332,8 +332,9 @@ _COMPILE_SCRIPT = textwrap.dedent("""
 @pytest.fixture(scope="module")
 def sm90a_dumps(tmp_path_factory):
     """Compile every case of :data:`COMPILE_CASES` for sm_90a in .venv-cuda; ``{name: (ptx, ptxas)}``."""
-    if not CUDA_PY.exists():
-        pytest.skip("needs .venv-cuda (make setup-cuda)")
+    from conftest import require_cuda_venv
+
+    require_cuda_venv()
     out = tmp_path_factory.mktemp("mosaic_sm90a")
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     for var in ("JAX_PLATFORMS", "XLA_FLAGS", "MOSAIC_GPU_DUMP_TO", "JAX_COMPILATION_CACHE_DIR"):

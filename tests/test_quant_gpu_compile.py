@@ -98,8 +98,9 @@ print(json.dumps(res))
 
 @pytest.fixture(scope="module")
 def sm90a_quant(tmp_path_factory):
-    if not CUDA_PY.exists():
-        pytest.skip("needs .venv-cuda with jax[cuda13] for the deviceless sm_90a compile: run `make setup-cuda`")
+    from conftest import require_cuda_venv
+
+    require_cuda_venv()
     out = tmp_path_factory.mktemp("quant_sm90a")
     env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_SKIP_CUDA_CONSTRAINTS_CHECK": "1"}
     for var in ("JAX_PLATFORMS", "XLA_FLAGS"):

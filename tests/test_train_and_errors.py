@@ -158,21 +158,76 @@ def _snapshot(out):
     return {str(p.relative_to(out)): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
 
 
+def _cache_files(d):
+    return {str(p.relative_to(d)) for p in d.rglob("*") if p.is_file()}
+
+
 @pytest.mark.slow
-def test_a_rerun_is_refused_until_resume_or_overwrite(tiny_dir, tmp_path):
-    out = tmp_path / "try"
-    assert _run_train(_tiny_args(tiny_dir, out)).returncode == 0
+def test_a_rerun_is_refused_until_resume_or_overwrite_and_reuses_the_compilation_cache(tiny_dir, tmp_path):
+    """The rerun rules, run with ``--compilation_cache_dir`` (the suite's own cache variable removed for these
+    runs): the first run writes its compiled programs there, and the last run, the first one's command again
+    (with --overwrite), loads every one of them (JAX logs a hit for each) and writes none."""
+    out, cache = tmp_path / "try", tmp_path / "xla"
+    env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
+    env.update(HF_HUB_OFFLINE="1", JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_LOG_COMPILES="1")
+
+    def run(*args):
+        return subprocess.run([sys.executable, "scripts/train.py", *args, f"--compilation_cache_dir={cache}"],
+                              cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+
+    r = run(*_tiny_args(tiny_dir, out))
+    assert r.returncode == 0, r.stderr[-2000:]
+    first = _cache_files(cache)
+    assert len(first) >= 5, first  # the engine's prefill and decode, the train step, the export, ...
     before = _snapshot(out)
-    line = _one_error_line(_run_train(_tiny_args(tiny_dir, out)))  # the same command again
+    line = _one_error_line(run(*_tiny_args(tiny_dir, out)))  # the same command again
     assert "already holds a run" in line and "--resume" in line and "--overwrite" in line
     assert _snapshot(out) == before  # nothing lost, nothing touched
-    r = _run_train(_tiny_args(tiny_dir, out, 2, "--resume"))
+    r = run(*_tiny_args(tiny_dir, out, 2, "--resume"))
     assert r.returncode == 0, r.stderr[-2000:]
     assert [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2]
-    r = _run_train(_tiny_args(tiny_dir, out, 1, "--overwrite"))
+    after_resume = _cache_files(cache)
+    r = run(*_tiny_args(tiny_dir, out, 1, "--overwrite"))
     assert r.returncode == 0, r.stderr[-2000:]
     assert [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()] == [1]
     assert sorted(p.name for p in (out / "checkpoints").iterdir() if p.name.isdigit()) == ["1"]
+    assert r.stderr.count("Persistent compilation cache hit") >= len(first)
+    assert _cache_files(cache) == after_resume  # nothing compiled anew
+
+
+def test_compilation_cache_off(tmp_path):
+    """``--compilation_cache_dir=''`` turns JAX's cache off in the process (and for the processes it starts) even
+    where JAX_COMPILATION_CACHE_DIR names one."""
+    code = ("import os, jax; from fp8rl_jax.trainer.compile_cache import enable_compilation_cache as e, "
+            "resolve_cache_dir as r; e(r('')); print(jax.config.jax_enable_compilation_cache, "
+            "repr(os.environ['JAX_COMPILATION_CACHE_DIR']))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "JAX_COMPILATION_CACHE_DIR": str(tmp_path)})
+    assert out.returncode == 0 and out.stdout.split() == ["False", "''"], out.stderr[-2000:]
+
+
+def test_compilation_cache_default_order(tmp_path):
+    """The flag ("" = off) over JAX's own variable over the NVIDIA default (XDG_CACHE_HOME) over off on CPU."""
+    from fp8rl_jax.trainer.compile_cache import resolve_cache_dir
+
+    xdg = {"XDG_CACHE_HOME": str(tmp_path)}
+    assert resolve_cache_dir(str(tmp_path / "c"), {"JAX_COMPILATION_CACHE_DIR": "/x"}, True) == str(tmp_path / "c")
+    assert resolve_cache_dir("", xdg, True) == ""
+    assert resolve_cache_dir(None, {**xdg, "JAX_COMPILATION_CACHE_DIR": "/x"}, True) is None
+    assert resolve_cache_dir(None, xdg, True) == os.path.join(str(tmp_path), "fp8rl_jax", "xla")
+    assert resolve_cache_dir(None, xdg, False) is None
+    home = os.path.expanduser("~")
+    assert resolve_cache_dir("~/jc", {}, False) == os.path.join(home, "jc")
+    assert resolve_cache_dir(None, {}, True) == os.path.join(home, ".cache", "fp8rl_jax", "xla")
+
+
+def test_compilation_cache_dir_that_cannot_be_made_fails_in_one_line(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    out = tmp_path / "never"
+    line = _one_error_line(_run_train(["--gin_file=configs/quickstart.gin", f"--output_dir={out}",
+                                       f"--compilation_cache_dir={blocker / 'sub'}"]))
+    assert "--compilation_cache_dir" in line and str(blocker / "sub") in line and not out.exists()
 
 
 @pytest.mark.slow

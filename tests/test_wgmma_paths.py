@@ -448,8 +448,9 @@ WGMMA_E4M3 = re.compile(r"^wgmma\.mma_async\.sync\.aligned\.m64n\d+k32\.f32\.e4m
 @pytest.fixture(scope="module")
 def sm90a(tmp_path_factory):
     """The three programs of (c) compiled for sm_90a in one .venv-cuda process: ``{name: result}``."""
-    if not CUDA_PY.exists():
-        pytest.skip("needs .venv-cuda with jax[cuda13] for the deviceless sm_90a compile: run `make setup-cuda`")
+    from conftest import require_cuda_venv
+
+    require_cuda_venv()
     out = tmp_path_factory.mktemp("wgmma_sm90a")
     env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_SKIP_CUDA_CONSTRAINTS_CHECK": "1"}
     for var in ("JAX_PLATFORMS", "XLA_FLAGS", "MOSAIC_GPU_DUMP_TO", "JAX_COMPILATION_CACHE_DIR"):

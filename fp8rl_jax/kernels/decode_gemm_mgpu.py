@@ -217,6 +217,7 @@ def roofline(cfg: DecodeGemmConfig, n: int, k: int, m: int, sms: int = HOPPER_SM
 KNOWN_SHORTFALLS: dict = {}
 
 
+@functools.lru_cache(maxsize=None)  # pure arithmetic on ints; a 36-layer program asks 4 shapes x 36 times per trace
 def choose_config(n: int, k: int, m: int, sms: int = HOPPER_SMS, max_stages: int = 8,
                   stream_k: bool = True) -> DecodeGemmConfig:
     """The default configuration for a decode GEMM, chosen by arithmetic (:func:`roofline`), never by a guess:
