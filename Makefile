@@ -71,15 +71,17 @@ TEST_XLA_CACHE ?= $(H100_COMPILE_DIR)/xla-cache
 # and notebooks took a third of both cores from them for ~30 min (the whole run took 59-65 min; the multi-process
 # tests, whose subprocesses wait on each other, slowed up to 4x). At niceness 10 (the compiles) and 5 (the
 # notebooks, whose budgets are checked on CPU time) the lane takes what the tests leave idle. `make setup-cuda` is
-# not niced: four tests compile in .venv-cuda, and they wait for it (tests/conftest.py run_in_cuda_venv reads
-# FP8RL_CUDA_VENV_LANE_RC: until .venv-cuda/.cuda-ok exists, or fail when the lane ended without it).
+# not niced: six test files compile in .venv-cuda, and they wait for this run's set-up to end (tests/conftest.py
+# require_cuda_venv: until the lane writes $(H100_COMPILE_DIR)/setup-cuda.rc, FP8RL_CUDA_VENV_SETUP_RC; they fail,
+# never skip, when it is not 0).
 LANE_NICE ?= 10
 NOTEBOOKS_NICE ?= 5
 test: setup-test
 	@mkdir -p $(H100_COMPILE_DIR) && rm -rf $(TEST_XLA_CACHE) $(H100_COMPILE_DIR)/*.rc && mkdir -p $(TEST_XLA_CACHE)
 	@export JAX_COMPILATION_CACHE_DIR=$(abspath $(TEST_XLA_CACHE)) JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 \
-	  FP8RL_CUDA_VENV_LANE_RC=$(abspath $(H100_COMPILE_DIR))/compile.rc; \
-	( ( make --no-print-directory setup-cuda && \
+	  FP8RL_CUDA_VENV_SETUP_RC=$(abspath $(H100_COMPILE_DIR))/setup-cuda.rc FP8RL_CUDA_VENV_PYTHON=$(abspath $(PY_CUDA)); \
+	( ( make --no-print-directory setup-cuda; setup_rc=$$?; echo $$setup_rc > $(H100_COMPILE_DIR)/setup-cuda.rc; \
+	     test $$setup_rc -eq 0 && \
 	     nice -n $(LANE_NICE) $(PY_CUDA) scripts/compile_h100.py --jobs=1 --no_layer_count \
 	       --exclude 'train_moe_fp8_fsdp*' train_fp16_8dev train_bf16_8dev train_fp8_e4m3_8dev 'train_fp8_e5m2_*' \
 	       generate_fp8_kv_b128 --output_dir=$(H100_COMPILE_DIR) ) \

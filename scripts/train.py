@@ -51,8 +51,8 @@ def main(argv=None) -> int:
     parser.add_argument("--process_id", type=int, default=None, help="multi-host: this process's index")
     parser.add_argument("--compilation_cache_dir", default=None,
                         help="JAX's persistent compilation cache: compiled programs are loaded, not compiled, by the "
-                             "next run. Default: $JAX_COMPILATION_CACHE_DIR if set, else ~/.cache/fp8rl_jax/xla on "
-                             "a machine with an NVIDIA GPU, else off; '' turns it off "
+                             "next run. Default: $JAX_COMPILATION_CACHE_DIR if set, else $XDG_CACHE_HOME/fp8rl_jax/xla "
+                             "(~/.cache/fp8rl_jax/xla) on a machine with an NVIDIA GPU, else off; '' turns it off "
                              "(fp8rl_jax/trainer/compile_cache.py)")
     args = parser.parse_args(argv)
     if args.print_config:

@@ -264,32 +264,43 @@ def run_worker_script(script: str, mode: str, *args: str, devices: int = 8, time
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-def _wait_for_the_lanes_cuda_venv(ready: str, limit_s: float = 1800.0) -> None:
-    """Under ``make test`` (FP8RL_CUDA_VENV_LANE_RC set), the lane beside the tests builds .venv-cuda: wait until its
-    ``ready`` marker exists; fail (never skip) when the lane's exit-status file appears without it (the set-up failed)
-    or after ``limit_s``. Elsewhere: return at once."""
+_CUDA_VENV_WAIT = {"deadline": None, "error": None}
+
+
+def _wait_for_the_lanes_cuda_venv(limit_s: float = 1800.0) -> None:
+    """Under ``make test`` (FP8RL_CUDA_VENV_SETUP_RC set), the lane beside the tests runs ``make setup-cuda`` and then
+    writes its exit status to that file: wait for it; fail (never skip) when it is not 0, or when it has not appeared
+    ``limit_s`` after the first test that waited (one deadline for the session, and a failure is remembered).
+    Elsewhere: return at once."""
     import time
 
-    lane_rc = os.environ.get("FP8RL_CUDA_VENV_LANE_RC")
-    if not lane_rc:
+    rc_file = os.environ.get("FP8RL_CUDA_VENV_SETUP_RC")
+    if not rc_file:
         return
-    t0 = time.monotonic()
-    while not os.path.exists(ready):
-        if os.path.exists(lane_rc):
-            pytest.fail(f"make setup-cuda failed in make test's lane ({lane_rc} written, {ready} missing): see "
-                        f"{os.path.join(os.path.dirname(lane_rc), 'compile.log')}")
-        if time.monotonic() - t0 > limit_s:
-            pytest.fail(f"{ready} did not appear within {limit_s:.0f} s of waiting for make test's `make setup-cuda`")
+    if _CUDA_VENV_WAIT["error"]:
+        pytest.fail(_CUDA_VENV_WAIT["error"])
+    if _CUDA_VENV_WAIT["deadline"] is None:
+        _CUDA_VENV_WAIT["deadline"] = time.monotonic() + limit_s
+    while not os.path.exists(rc_file):
+        if time.monotonic() > _CUDA_VENV_WAIT["deadline"]:
+            _CUDA_VENV_WAIT["error"] = f"{rc_file} did not appear within {limit_s:.0f} s: make test's `make setup-cuda`"
+            pytest.fail(_CUDA_VENV_WAIT["error"])
         time.sleep(5)
+    with open(rc_file) as f:
+        rc = f.read().strip()
+    if rc != "0":
+        _CUDA_VENV_WAIT["error"] = (f"make setup-cuda failed in make test's lane (exit {rc}): see "
+                                    f"{os.path.join(os.path.dirname(rc_file), 'compile.log')}")
+        pytest.fail(_CUDA_VENV_WAIT["error"])
 
 
 def require_cuda_venv() -> str:
-    """The path of ``.venv-cuda``'s Python (JAX's CUDA plugin, for deviceless sm_90a compiles): under ``make test``
-    once the lane has built it (:func:`_wait_for_the_lanes_cuda_venv`); skips the test when there is none (run
-    ``make setup-cuda``)."""
+    """The path of the CUDA environment's Python (``.venv-cuda``, or make test's ``FP8RL_CUDA_VENV_PYTHON``: JAX's
+    CUDA plugin, for deviceless sm_90a compiles): under ``make test`` once the lane has built it
+    (:func:`_wait_for_the_lanes_cuda_venv`); skips the test when there is none (run ``make setup-cuda``)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    _wait_for_the_lanes_cuda_venv(os.path.join(root, ".venv-cuda", ".cuda-ok"))
-    cuda_py = os.path.join(root, ".venv-cuda", "bin", "python")
+    _wait_for_the_lanes_cuda_venv()
+    cuda_py = os.environ.get("FP8RL_CUDA_VENV_PYTHON") or os.path.join(root, ".venv-cuda", "bin", "python")
     if not os.path.exists(cuda_py):
         pytest.skip("needs .venv-cuda with jax[cuda13] for the deviceless sm_90a compile: run `make setup-cuda`")
     return cuda_py

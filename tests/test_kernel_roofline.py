@@ -26,7 +26,6 @@ from fp8rl_jax import gpu_dump
 from fp8rl_jax import kernel_roofline as kr
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-CUDA_PY = REPO / ".venv-cuda" / "bin" / "python"
 WGMMA_M1 = "wgmma.mma_async.sync.aligned.m64n8k32.f32.e4m3.e4m3"
 
 # Counted by hand, per thread:
@@ -252,11 +251,11 @@ _COMPILE = textwrap.dedent("""
 def test_sm90a_decode_gemm_loop_reads_under_the_limit(tmp_path):
     from conftest import require_cuda_venv
 
-    require_cuda_venv()
+    cuda_py = require_cuda_venv()
     env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_SKIP_CUDA_CONSTRAINTS_CHECK": "1"}
     for var in ("JAX_PLATFORMS", "XLA_FLAGS", "MOSAIC_GPU_DUMP_TO", "JAX_COMPILATION_CACHE_DIR"):
         env.pop(var, None)
-    proc = subprocess.run([str(CUDA_PY), "-c", _COMPILE, str(tmp_path)], env=env, cwd=REPO, capture_output=True,
+    proc = subprocess.run([cuda_py, "-c", _COMPILE, str(tmp_path)], env=env, cwd=REPO, capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -52,7 +52,6 @@ from fp8rl_jax.kernels.mosaic_gemm import (MosaicGemmConfig, batched_w8a8_matmul
 from fp8_numpy_ref import quantize_blocks
 
 REPO = Path(__file__).resolve().parents[1]
-CUDA_PY = REPO / ".venv-cuda" / "bin" / "python"
 U = 2.0 ** -24
 HOPPER_INBLOCK_REL = 2.0 ** -13  # for a future on-device check (see the module docstring)
 E4M3, E5M2 = ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2
@@ -334,12 +333,12 @@ def sm90a_dumps(tmp_path_factory):
     """Compile every case of :data:`COMPILE_CASES` for sm_90a in .venv-cuda; ``{name: (ptx, ptxas)}``."""
     from conftest import require_cuda_venv
 
-    require_cuda_venv()
+    cuda_py = require_cuda_venv()
     out = tmp_path_factory.mktemp("mosaic_sm90a")
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     for var in ("JAX_PLATFORMS", "XLA_FLAGS", "MOSAIC_GPU_DUMP_TO", "JAX_COMPILATION_CACHE_DIR"):
         env.pop(var, None)
-    proc = subprocess.run([str(CUDA_PY), "-c", _COMPILE_SCRIPT, json.dumps(COMPILE_CASES), H100_TARGET_CONFIG,
+    proc = subprocess.run([cuda_py, "-c", _COMPILE_SCRIPT, json.dumps(COMPILE_CASES), H100_TARGET_CONFIG,
                            str(out)], env=env, cwd=REPO, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     print(proc.stdout)

@@ -28,7 +28,6 @@ import json
 import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -40,7 +39,6 @@ from fp8_problems import exact_quant_codes, quant_test_data
 from fp8rl_jax.fp8 import formats
 
 REPO = Path(__file__).resolve().parents[1]
-CUDA_PY = REPO / ".venv-cuda" / "bin" / "python"
 
 RECIPES = {"vllm0": formats.VLLM_BLOCK_CAST, "vllm1": formats.VLLM_GROUP_NATIVE, "contract": formats.CONTRACT}
 
@@ -100,12 +98,12 @@ print(json.dumps(res))
 def sm90a_quant(tmp_path_factory):
     from conftest import require_cuda_venv
 
-    require_cuda_venv()
+    cuda_py = require_cuda_venv()
     out = tmp_path_factory.mktemp("quant_sm90a")
     env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_SKIP_CUDA_CONSTRAINTS_CHECK": "1"}
     for var in ("JAX_PLATFORMS", "XLA_FLAGS"):
         env.pop(var, None)
-    proc = subprocess.run([str(CUDA_PY), "-c", _COMPILE, str(out)], env=env, cwd=REPO, capture_output=True,
+    proc = subprocess.run([cuda_py, "-c", _COMPILE, str(out)], env=env, cwd=REPO, capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])

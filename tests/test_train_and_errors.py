@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -191,19 +192,26 @@ def test_a_rerun_is_refused_until_resume_or_overwrite_and_reuses_the_compilation
     assert r.returncode == 0, r.stderr[-2000:]
     assert [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()] == [1]
     assert sorted(p.name for p in (out / "checkpoints").iterdir() if p.name.isdigit()) == ["1"]
-    assert r.stderr.count("Persistent compilation cache hit") >= len(first)
+    hit_keys = set(re.findall(r"Persistent compilation cache hit for '[^']*' with key '([^']+)'", r.stderr))
+    assert {f.removesuffix("-cache") for f in first} <= hit_keys, (first, hit_keys)  # every program of run 1
     assert _cache_files(cache) == after_resume  # nothing compiled anew
 
 
 def test_compilation_cache_off(tmp_path):
-    """``--compilation_cache_dir=''`` turns JAX's cache off in the process (and for the processes it starts) even
-    where JAX_COMPILATION_CACHE_DIR names one."""
-    code = ("import os, jax; from fp8rl_jax.trainer.compile_cache import enable_compilation_cache as e, "
+    """``--compilation_cache_dir=''`` turns JAX's cache off in the process and in the processes it starts, even where
+    JAX_COMPILATION_CACHE_DIR named one: a program jitted in a child writes nothing there."""
+    child = ("import jax, jax.numpy as jnp; print(jax.jit(lambda x: jnp.sin(x) * 3)(jnp.arange(7.0)).sum())")
+    code = ("import os, subprocess, sys, jax; from fp8rl_jax.trainer.compile_cache import enable_compilation_cache as e, "
             "resolve_cache_dir as r; e(r('')); print(jax.config.jax_enable_compilation_cache, "
-            "repr(os.environ['JAX_COMPILATION_CACHE_DIR']))")
+            "os.environ.get('JAX_COMPILATION_CACHE_DIR'), os.environ['JAX_ENABLE_COMPILATION_CACHE']); "
+            "jax.jit(lambda x: x * 2)(1.0).block_until_ready(); "
+            f"subprocess.run([sys.executable, '-c', {child!r}], check=True)")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "JAX_COMPILATION_CACHE_DIR": str(tmp_path)})
-    assert out.returncode == 0 and out.stdout.split() == ["False", "''"], out.stderr[-2000:]
+                         env={**os.environ, "JAX_COMPILATION_CACHE_DIR": str(tmp_path),
+                              "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split()[:3] == ["False", "None", "false"], out.stdout
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_compilation_cache_default_order(tmp_path):

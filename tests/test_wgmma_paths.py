@@ -54,7 +54,6 @@ S = jax.ShapeDtypeStruct
 E4M3 = jnp.float8_e4m3fn
 U = 2.0 ** -24
 REPO = Path(__file__).resolve().parents[1]
-CUDA_PY = REPO / ".venv-cuda" / "bin" / "python"
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -450,13 +449,13 @@ def sm90a(tmp_path_factory):
     """The three programs of (c) compiled for sm_90a in one .venv-cuda process: ``{name: result}``."""
     from conftest import require_cuda_venv
 
-    require_cuda_venv()
+    cuda_py = require_cuda_venv()
     out = tmp_path_factory.mktemp("wgmma_sm90a")
     env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_SKIP_CUDA_CONSTRAINTS_CHECK": "1"}
     for var in ("JAX_PLATFORMS", "XLA_FLAGS", "MOSAIC_GPU_DUMP_TO", "JAX_COMPILATION_CACHE_DIR"):
         env.pop(var, None)
     t = time.perf_counter()
-    proc = subprocess.run([str(CUDA_PY), "-c", _COMPILE, str(out)], env=env, cwd=REPO, capture_output=True,
+    proc = subprocess.run([cuda_py, "-c", _COMPILE, str(out)], env=env, cwd=REPO, capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     res = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -5,7 +5,7 @@ next process (issue 37 item 5: the engine's FP8 programs took 65 s to compile on
 
 * ``JAX_COMPILATION_CACHE_DIR`` set in the environment: JAX already uses it; nothing is changed;
 * else, on a machine with an NVIDIA device (``/dev/nvidiactl``): ``$XDG_CACHE_HOME/fp8rl_jax/xla`` (``~/.cache``
-  when unset), as MaxText's ``jax_cache_dir`` default does;
+  when unset); MaxText likewise turns a cache on by default (``jax_cache_dir: ~/jax_cache``);
 * else (CPU): off. XLA:CPU programs of the default configs compile in seconds, and a failed serialization of an
   XLA:CPU executable in a process that also loaded vLLM's xgrammar once hung a test run (tests/conftest.py), so the
   cache is opt-in there.
@@ -13,7 +13,8 @@ next process (issue 37 item 5: the engine's FP8 programs took 65 s to compile on
 ``--compilation_cache_dir=""`` turns it off everywhere. The cache key is the program (HLO, devices, compile options,
 JAX/XLA versions), so a hit returns what compiling again would give; JAX's own thresholds decide which programs are
 written (``jax_persistent_cache_min_compile_time_secs``, 1 s by default). Source: JAX "Persistent compilation cache"
-(``jax_compilation_cache_dir``).
+(``jax_compilation_cache_dir``). JAX keeps every entry unless ``JAX_COMPILATION_CACHE_MAX_SIZE`` (bytes) caps the
+directory (least recently used entries go first).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import os
 from typing import Mapping
 
 ENV_VAR = "JAX_COMPILATION_CACHE_DIR"
+ENABLE_VAR = "JAX_ENABLE_COMPILATION_CACHE"
 
 
 def default_cache_dir(environ: Mapping[str, str] | None = None) -> str:
@@ -74,7 +76,9 @@ def enable_compilation_cache(cache_dir: str | None) -> None:
     import jax
 
     if not cache_dir:
-        os.environ[ENV_VAR] = ""
+        # both variables: JAX treats a set-but-empty directory variable as a cache still on
+        os.environ.pop(ENV_VAR, None)
+        os.environ[ENABLE_VAR] = "false"
         jax.config.update("jax_enable_compilation_cache", False)
         from jax.experimental.compilation_cache import compilation_cache
 
@@ -84,7 +88,8 @@ def enable_compilation_cache(cache_dir: str | None) -> None:
         os.makedirs(cache_dir, exist_ok=True)
     except OSError as e:
         raise OSError(f"--compilation_cache_dir {cache_dir}: cannot create it ({e.strerror or e})") from e
-    os.environ[ENV_VAR] = cache_dir  # subprocesses and Ray workers started from here inherit it
+    os.environ[ENV_VAR] = cache_dir  # subprocesses and Ray workers started from here inherit both
+    os.environ[ENABLE_VAR] = "true"
     jax.config.update("jax_enable_compilation_cache", True)
     jax.config.update("jax_compilation_cache_dir", cache_dir)
     from jax.experimental.compilation_cache import compilation_cache
@@ -92,4 +97,5 @@ def enable_compilation_cache(cache_dir: str | None) -> None:
     compilation_cache.reset_cache()  # a cache JAX already set up (or found off) in this process is set up again
 
 
-__all__ = ["ENV_VAR", "default_cache_dir", "has_nvidia_device", "resolve_cache_dir", "enable_compilation_cache"]
+__all__ = ["ENV_VAR", "ENABLE_VAR", "default_cache_dir", "has_nvidia_device", "resolve_cache_dir",
+           "enable_compilation_cache"]
