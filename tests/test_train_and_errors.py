@@ -26,9 +26,9 @@ def tiny_dir(tmp_path_factory):
     return make_tiny_smollm2_vocab_dir(tmp_path_factory.mktemp("tiny"))
 
 
-def _run_train(args, cwd=ROOT, timeout=600):
+def _run_train(args, cwd=ROOT, timeout=600, env=None):
     return subprocess.run([sys.executable, "scripts/train.py", *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+                          timeout=timeout, env={**(os.environ if env is None else env), "HF_HUB_OFFLINE": "1"})
 
 
 @pytest.mark.slow
@@ -159,10 +159,6 @@ def _snapshot(out):
     return {str(p.relative_to(out)): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
 
 
-def _cache_files(d):
-    return {str(p.relative_to(d)) for p in d.rglob("*") if p.is_file()}
-
-
 @pytest.mark.slow
 def test_a_rerun_is_refused_until_resume_or_overwrite_and_reuses_the_compilation_cache(tiny_dir, tmp_path):
     """The rerun rules, run with ``--compilation_cache_dir`` (the suite's own cache variable removed for these
@@ -170,15 +166,14 @@ def test_a_rerun_is_refused_until_resume_or_overwrite_and_reuses_the_compilation
     (with --overwrite), loads every one of them (JAX logs a hit for each) and writes none."""
     out, cache = tmp_path / "try", tmp_path / "xla"
     env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
-    env.update(HF_HUB_OFFLINE="1", JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_LOG_COMPILES="1")
+    env.update(JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_LOG_COMPILES="1")
 
     def run(*args):
-        return subprocess.run([sys.executable, "scripts/train.py", *args, f"--compilation_cache_dir={cache}"],
-                              cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+        return _run_train([*args, f"--compilation_cache_dir={cache}"], env=env)
 
     r = run(*_tiny_args(tiny_dir, out))
     assert r.returncode == 0, r.stderr[-2000:]
-    first = _cache_files(cache)
+    first = set(_snapshot(cache))
     assert len(first) >= 5, first  # the engine's prefill and decode, the train step, the export, ...
     before = _snapshot(out)
     line = _one_error_line(run(*_tiny_args(tiny_dir, out)))  # the same command again
@@ -187,14 +182,14 @@ def test_a_rerun_is_refused_until_resume_or_overwrite_and_reuses_the_compilation
     r = run(*_tiny_args(tiny_dir, out, 2, "--resume"))
     assert r.returncode == 0, r.stderr[-2000:]
     assert [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2]
-    after_resume = _cache_files(cache)
+    after_resume = set(_snapshot(cache))
     r = run(*_tiny_args(tiny_dir, out, 1, "--overwrite"))
     assert r.returncode == 0, r.stderr[-2000:]
     assert [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()] == [1]
     assert sorted(p.name for p in (out / "checkpoints").iterdir() if p.name.isdigit()) == ["1"]
     hit_keys = set(re.findall(r"Persistent compilation cache hit for '[^']*' with key '([^']+)'", r.stderr))
     assert {f.removesuffix("-cache") for f in first} <= hit_keys, (first, hit_keys)  # every program of run 1
-    assert _cache_files(cache) == after_resume  # nothing compiled anew
+    assert set(_snapshot(cache)) == after_resume  # nothing compiled anew
 
 
 def test_compilation_cache_off(tmp_path):

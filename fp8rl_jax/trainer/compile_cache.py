@@ -74,26 +74,19 @@ def enable_compilation_cache(cache_dir: str | None) -> None:
     if cache_dir is None:
         return
     import jax
-
-    if not cache_dir:
-        # both variables: JAX treats a set-but-empty directory variable as a cache still on
-        os.environ.pop(ENV_VAR, None)
-        os.environ[ENABLE_VAR] = "false"
-        jax.config.update("jax_enable_compilation_cache", False)
-        from jax.experimental.compilation_cache import compilation_cache
-
-        compilation_cache.reset_cache()
-        return
-    try:
-        os.makedirs(cache_dir, exist_ok=True)
-    except OSError as e:
-        raise OSError(f"--compilation_cache_dir {cache_dir}: cannot create it ({e.strerror or e})") from e
-    os.environ[ENV_VAR] = cache_dir  # subprocesses and Ray workers started from here inherit both
-    os.environ[ENABLE_VAR] = "true"
-    jax.config.update("jax_enable_compilation_cache", True)
-    jax.config.update("jax_compilation_cache_dir", cache_dir)
     from jax.experimental.compilation_cache import compilation_cache
 
+    if cache_dir:
+        try:
+            os.makedirs(cache_dir, exist_ok=True)
+        except OSError as e:
+            raise OSError(f"--compilation_cache_dir {cache_dir}: cannot create it ({e.strerror or e})") from e
+        os.environ[ENV_VAR] = cache_dir  # subprocesses and Ray workers started from here inherit both variables
+        jax.config.update("jax_compilation_cache_dir", cache_dir)
+    else:  # off: JAX treats a set-but-empty directory variable as a cache still on, so drop it
+        os.environ.pop(ENV_VAR, None)
+    os.environ[ENABLE_VAR] = "true" if cache_dir else "false"
+    jax.config.update("jax_enable_compilation_cache", bool(cache_dir))
     compilation_cache.reset_cache()  # a cache JAX already set up (or found off) in this process is set up again
 
 
