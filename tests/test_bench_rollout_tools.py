@@ -149,3 +149,23 @@ def test_each_row_is_written_as_it_ends_and_survives_a_kill(tmp_path):
                                / row["decode_ms_per_token"], rtol=1e-9)
     assert 0 < row["pct_of_hbm_floor"] <= 100 and row["floor_bandwidth_source"].startswith("measured read")
     assert row["prefill_timing"] == "same program, stopped at its first token"
+
+
+def test_compile_stages_reads_xla_timer_lines():
+    """benchmarks/compile_stages.py's reader of XLA:GPU's compile timers, on lines as jax 0.10.2's XLA logs them
+    with TF_CPP_VMODULE=gpu_compiler=1 (copied from a run on this machine): units converted, modules summed, other
+    timers ignored, None when a timer is absent."""
+    from compile_stages import xla_timers
+
+    log = "\n".join([
+        "I1129 02:32:26.704453   18126 gpu_compiler.cc:2152] GpuCompiler::RunHloPasses for jit__generate time: "
+        "1.52 s (1522342 us) (cumulative: 1.52 s, max: 1.52 s, #called: 1)",
+        "I1129 02:32:26.933387   18151 nvptx_compiler.cc:520] NVPTXCompiler::CompileTargetBinary - CompileToPtx for "
+        "jit__generate time: 30.4 ms (30418 us) (cumulative: 30.4 ms, max: 30.4 ms, #called: 1)",
+        "I1129 02:32:31.001000   18126 gpu_compiler.cc:2600] GpuCompiler::RunBackend for jit__generate time: "
+        "5.21 s (5213490 us) (cumulative: 5.21 s, max: 5.21 s, #called: 1)",
+        "I1129 02:32:31.101000   18126 gpu_compiler.cc:2152] GpuCompiler::RunHloPasses for jit_other time: "
+        "906 ms (905775 us) (cumulative: 2.43 s, max: 1.52 s, #called: 2)",
+    ])
+    assert xla_timers(log) == {"hlo_passes_s": 2.43, "backend_s": 5.21}
+    assert xla_timers("no timers here") == {"hlo_passes_s": None, "backend_s": None}
