@@ -66,13 +66,13 @@ def measure(name: str, layers: int) -> dict:
 
 def xla_timers(log: str) -> dict:
     """``{"hlo_passes_s", "backend_s"}`` from XLA:GPU's timer lines (``GpuCompiler::RunHloPasses`` /
-    ``RunBackend ... time: 1.52 s``, logged with ``TF_CPP_VMODULE=gpu_compiler=1``), summed over modules; None
-    where the log holds no such line (another XLA version may word them differently)."""
-    unit = {"us": 1e-6, "ms": 1e-3, "s": 1.0}
+    ``RunBackend for jit_f time: 1.52 s (1522342 us) (cumulative: ...)``, logged with
+    ``TF_CPP_VMODULE=gpu_compiler=1``; the exact microseconds in parentheses, whatever unit the readable figure uses),
+    summed over modules; None where the log holds no such line (another XLA version may word them differently)."""
     out = {}
     for key, name in (("hlo_passes_s", "RunHloPasses"), ("backend_s", "RunBackend")):
-        hits = re.findall(rf"GpuCompiler::{name} for \S+ time: ([\d.]+) (us|ms|s)\b", log)
-        out[key] = round(sum(float(v) * unit[u] for v, u in hits), 2) if hits else None
+        hits = re.findall(rf"GpuCompiler::{name} for \S+ time: [^(\n]*\((\d+) us\)", log)
+        out[key] = round(sum(int(v) for v in hits) * 1e-6, 2) if hits else None
     return out
 
 

@@ -153,8 +153,9 @@ def test_each_row_is_written_as_it_ends_and_survives_a_kill(tmp_path):
 
 def test_compile_stages_reads_xla_timer_lines():
     """benchmarks/compile_stages.py's reader of XLA:GPU's compile timers, on lines as jax 0.10.2's XLA logs them
-    with TF_CPP_VMODULE=gpu_compiler=1 (copied from a run on this machine): units converted, modules summed, other
-    timers ignored, None when a timer is absent."""
+    with TF_CPP_VMODULE=gpu_compiler=1 (the first two copied from a run on this machine, the others in their format:
+    a second module and a time over a minute, which XLA writes in minutes): the exact microseconds read, modules
+    summed, the cumulative figure and other timers ignored, None when a timer is absent."""
     from compile_stages import xla_timers
 
     log = "\n".join([
@@ -166,6 +167,8 @@ def test_compile_stages_reads_xla_timer_lines():
         "5.21 s (5213490 us) (cumulative: 5.21 s, max: 5.21 s, #called: 1)",
         "I1129 02:32:31.101000   18126 gpu_compiler.cc:2152] GpuCompiler::RunHloPasses for jit_other time: "
         "906 ms (905775 us) (cumulative: 2.43 s, max: 1.52 s, #called: 2)",
+        "I1129 02:34:01.101000   18126 gpu_compiler.cc:2600] GpuCompiler::RunBackend for jit_other time: "
+        "1.05 min (63000000 us) (cumulative: 1.14 min, max: 1.05 min, #called: 2)",
     ])
-    assert xla_timers(log) == {"hlo_passes_s": 2.43, "backend_s": 5.21}
+    assert xla_timers(log) == {"hlo_passes_s": 2.43, "backend_s": 68.21}
     assert xla_timers("no timers here") == {"hlo_passes_s": None, "backend_s": None}
