@@ -208,6 +208,80 @@ def test_interpret_batched_row_and_block_scales():
     assert max(worst.values()) <= 1.0
 
 
+@pytest.mark.parametrize("w_scales,out_dtype", [("block", jnp.float32), ("row", jnp.bfloat16)])
+def test_interpret_persistent_grid_matches_float64_reference(w_scales, out_dtype):
+    """The persistent grid (issue 37 item 2: :attr:`MosaicGemmConfig.persistent_ctas`): 5 CTAs loop over the 3 x 3
+    output tiles of a ragged M = 300, N = 300, K = 300 product in snake bands of 2 M tiles, so CTAs take one or two
+    tiles each, a band ends inside a column and the last band is one tile wide; each tile's output store overlaps the
+    next tile. Every tile must hold the float64 formula (a tile skipped, computed twice into the wrong place or
+    stored from a rewritten buffer misses by orders of magnitude)."""
+    import dataclasses
+
+    xq, xs, wq, ws = _operands(300, 300, 300, seed=11)
+    if w_scales == "row":  # 1x128 groups of B: one scale per weight row and K block
+        ws = np.repeat(ws, 128, axis=0)[:300] * np.exp(np.random.default_rng(12).uniform(-1, 1, (300, 1)))
+        ws = ws.astype(np.float32)
+    cfg = dataclasses.replace(fitted_config(out_dtype=out_dtype, w_scales=w_scales), persistent_ctas=5,
+                              grid_tile_width=2)
+    y = _run(xq, xs, wq, ws, config=cfg, out_dtype=out_dtype, w_scales=w_scales)
+    y_ref, a = (_row_reference if w_scales == "row" else _reference)(xq, xs, wq, ws)
+    r = _ratio(y, y_ref, _tolerance(a, xs.shape[1], y_ref, np.dtype(out_dtype)))
+    print(f"persistent {w_scales} {np.dtype(out_dtype)}: max |err| / bound = {r:.3g}")
+    assert y.shape == (300, 300) and r <= 1.0
+
+
+def test_prefill_tuner_candidates_and_choice(monkeypatch, tmp_path):
+    """The prefill GEMM's on-device tuning (issue 37 items 2, 3): without a CUDA device :func:`tuned_config` is
+    :func:`default_config`'s (and so is the kernel's config); the candidates are valid, distinct, the default first,
+    with the persistent grid among them. With a (fake) CUDA device and an injected timer each candidate is run (in
+    the interpreter here), checked against the default's output and timed; the fastest is kept and persists."""
+    from fp8rl_jax.kernels import mosaic_gemm as mg
+    from fp8rl_jax.kernels import registry, tuner
+
+    m, n, k = 3, 128, 256
+    cands = mg.candidate_configs(m, n)
+    assert cands[0] == default_config(m, n=n) and len(set(cands)) == len(cands) >= 3
+    assert any(c.persistent_ctas for c in cands)
+    assert len({mg.config_name(c) for c in cands}) == len(cands)
+    assert mg.tuned_config(m, n, k) == cands[0]
+    assert mg.tuned_config(4096, 24576, 4096, jnp.bfloat16) == default_config(4096, jnp.bfloat16, n=24576)
+
+    class FakeGPU:
+        device_kind = "NVIDIA H100 80GB HBM3"
+        platform = "gpu"
+
+    monkeypatch.setenv("FP8RL_AUTOTUNE_CACHE", str(tmp_path))
+    monkeypatch.setenv("FP8RL_AUTOTUNE_BUDGET_S", "900")  # interpret mode on this CPU, not a GPU
+    monkeypatch.setattr(registry, "cuda_device", lambda: FakeGPU())
+    monkeypatch.setattr(registry, "use_kernel", lambda family: True)  # the family's self-test: its own test
+    timed = []
+
+    def timer(fn, args):
+        timed.append(1)
+        return 1e-6 if len(timed) == len(cands) else 1e-3  # the last candidate timed is the fastest
+
+    real = mg._dense
+    monkeypatch.setattr(mg, "_dense", lambda *a, **kw: real(*a, **dict(kw, interpret=True)))
+    select = tuner.select
+    monkeypatch.setattr(tuner, "select", lambda *a, **kw: select(*a, **dict(kw, timer=timer, device=_cpu())))
+    tuner.reset()
+    with tuner.autotune_mode_scope("on"):
+        got = mg.tuned_config(m, n, k)
+    assert len(timed) == len(cands) and got == cands[-1], (got, tuner.report())
+    assert any(r["op"] == "w8a8_gemm" and r["choice"] == mg.config_name(cands[-1]) for r in tuner.report())
+    stored = list(tmp_path.rglob("w8a8_gemm.json"))
+    assert len(stored) == 1 and mg.config_name(cands[-1]) in stored[0].read_text()
+    tuner.reset()  # a new process: the stored choice, nothing timed
+    with tuner.autotune_mode_scope("cached"):
+        assert mg.tuned_config(m, n, k) == cands[-1] and len(timed) == len(cands)
+
+
+def _cpu():
+    import jax
+
+    return jax.devices("cpu")[0]
+
+
 def test_default_config_by_m():
     """M < 128: 64-row CTAs with 64-column tiles (the 64 < M < 128 band streams the weight: more CTAs); M >= 128:
     128 x 128 (two compute warpgroups) when that grid occupies at least half of the SMs. Row scales fit the same
@@ -293,7 +367,13 @@ COMPILE_CASES = {
     "decode_M1_4096^2_bf16": (1, 4096, 4096, "float8_e4m3fn", "bfloat16", 0, "m64n64k32.f32.e4m3.e4m3"),
     "4096^3_e5m2_f32": (4096, 4096, 4096, "float8_e5m2", "float32", 0, "m64n128k32.f32.e5m2.e5m2"),
     "grouped_E8_5120x768x2048_bf16": (5120, 768, 2048, "float8_e4m3fn", "bfloat16", 8, "m64n128k32.f32.e4m3.e4m3"),
+    # the persistent grid (issue 37 item 2): Qwen3-8B's down_proj prefill on 132 CTAs
+    "persistent_4096x4096x12288_bf16": (4096, 4096, 12288, "float8_e4m3fn", "bfloat16", 0,
+                                        "m64n128k32.f32.e4m3.e4m3"),
 }
+#: configurations of the cases not compiled with the default one (``MosaicGemmConfig`` fields)
+CASE_CONFIGS = {"persistent_4096x4096x12288_bf16": {"tile_n": 128, "compute_wgs": 2, "stages": 5,
+                                                    "persistent_ctas": 132, "grid_tile_width": 8}}
 
 _COMPILE_SCRIPT = textwrap.dedent("""
     import json, os, sys, time
@@ -303,9 +383,9 @@ _COMPILE_SCRIPT = textwrap.dedent("""
     import jax, jax.numpy as jnp
     from jax.experimental import topologies
     from jax.sharding import NamedSharding, PartitionSpec as P
-    from fp8rl_jax.kernels.mosaic_gemm import mosaic_grouped_w8a8_matmul, mosaic_w8a8_matmul
+    from fp8rl_jax.kernels.mosaic_gemm import MosaicGemmConfig, mosaic_grouped_w8a8_matmul, mosaic_w8a8_matmul
 
-    cases, target, out_dir = json.loads(sys.argv[1]), sys.argv[2], sys.argv[3]
+    cases, target, out_dir, configs = json.loads(sys.argv[1]), sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
     topo = topologies.get_topology_desc(platform="cuda", target_config=target, topology="1x1x1")
     mesh = topologies.make_mesh(topo, (1,), ("x",))
     sds = lambda s, d: jax.ShapeDtypeStruct(s, jnp.dtype(d), sharding=NamedSharding(mesh, P()))
@@ -320,7 +400,8 @@ _COMPILE_SCRIPT = textwrap.dedent("""
             args = (sds((m, k), op), sds((m, kb), "float32"), sds((experts, n, k), op),
                     sds((experts, nb, kb), "float32"), sds((m // tile_rows,), "int32"))
         else:
-            f = lambda a, b, c, e: mosaic_w8a8_matmul(a, b, c, e, out_dtype=out)
+            cfg = MosaicGemmConfig(**configs[name]) if name in configs else None
+            f = lambda a, b, c, e: mosaic_w8a8_matmul(a, b, c, e, out_dtype=out, config=cfg)
             args = (sds((m, k), op), sds((m, kb), "float32"), sds((n, k), op), sds((nb, kb), "float32"))
         t = time.perf_counter()
         jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).compile()
@@ -339,7 +420,7 @@ def sm90a_dumps(tmp_path_factory):
     for var in ("JAX_PLATFORMS", "XLA_FLAGS", "MOSAIC_GPU_DUMP_TO", "JAX_COMPILATION_CACHE_DIR"):
         env.pop(var, None)
     proc = subprocess.run([cuda_py, "-c", _COMPILE_SCRIPT, json.dumps(COMPILE_CASES), H100_TARGET_CONFIG,
-                           str(out)], env=env, cwd=REPO, capture_output=True, text=True, timeout=900)
+                           str(out), json.dumps(CASE_CONFIGS)], env=env, cwd=REPO, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     print(proc.stdout)
     dumps = {}
@@ -361,6 +442,8 @@ def test_sm90a_ptx_uses_fp8_wgmma(sm90a_dumps, name):
     assert "mma.sync" not in ptx, f"{name}: falls back to mma.sync"
     if COMPILE_CASES[name][4] == "bfloat16":
         assert "cvt.rn.bf16x2.f32" in ptx and "cp.async.bulk.tensor" in ptx  # bf16 epilogue, TMA store
+    if name in CASE_CONFIGS and CASE_CONFIGS[name].get("persistent_ctas"):
+        assert ".entry fp8_blockwise_gemm_wgmma_persistent_" in ptx  # the persistent kernel was the one compiled
     if ptxas is not None:
         assert "0 bytes spill stores" in ptxas, ptxas
         print(name, [line.strip() for line in ptxas.splitlines() if "Used" in line or "spill" in line])

@@ -29,6 +29,15 @@ read their 64 activation scales from SMEM and the block's weight scale (one floa
 128, so a tile sees one weight-scale row) from GMEM, and promote. The epilogue casts to ``out_dtype``, writes the
 tile into swizzled SMEM and stores it with TMA.
 
+Persistent grid (``MosaicGemmConfig.persistent_ctas > 0``, issue 37 item 2; CUTLASS sm90's persistent kernels and
+jax's ``hopper_matmul_mgpu`` do the same): ``min(tiles, persistent_ctas)`` CTAs (132: one per SM) each loop over
+output tiles (``plgpu.nd_loop``, tile ``i`` to CTA ``i mod CTAs``) in ``plgpu.planar_snake`` order, bands of
+``grid_tile_width`` M tiles walking the N tiles (the CTAs in flight share weight tiles and a few activation row
+blocks in L2). The ring and output buffers are allocated once; a tile's TMA store is not waited for after it is
+issued but before the next tile's epilogue rewrites the buffer, so it overlaps that tile's loads and wgmmas, and
+the memory warpgroup fills the ring for the next tile while the compute warpgroups finish the last. Dense products
+only; one of the configurations the on-device tuner times (:func:`candidate_configs`, :func:`tuned_config`).
+
 Ragged shapes are **padded** (not masked) in XLA before the kernel: M to a multiple of ``64 * compute_wgs``
 (zero rows and zero scales, sliced away afterwards), N to a multiple of ``tile_n`` (zero weight rows, sliced
 away), K to a multiple of 128 (zero columns in both operands: vLLM's zero padding of a ragged last K group, so
@@ -99,12 +108,24 @@ class MosaicGemmConfig:
       stages: depth of the TMA ring (K blocks in flight). Per stage ``(64 * compute_wgs + tile_n) * 128`` bytes
         of operands plus ``4 * 64 * compute_wgs`` of scales; with the output tile it must fit 227 KiB.
       memory_registers: registers per thread of the memory (TMA) warpgroup; the compute warpgroups get the rest.
+      persistent_ctas: 0 (default): one CTA per output tile, grid ``(M / cta_m, N / tile_n)``. ``> 0``: a
+        persistent grid of ``min(tiles, persistent_ctas)`` CTAs (132 = one per H100/H200 SM), each looping over
+        output tiles (``plgpu.nd_loop``) in :func:`jax.experimental.pallas.mosaic_gpu.planar_snake` order; a
+        tile's TMA store of its output then overlaps the next tile's loads and wgmmas (the CTA waits for that store
+        only before it rewrites the output buffer), and the ring's fill overlaps the previous tile's epilogue
+        (CUTLASS sm90's persistent kernels, jax's ``hopper_matmul_mgpu``). Dense products only.
+      grid_tile_width: with ``persistent_ctas``: the width, in M tiles, of the snake's bands: consecutive tiles
+        walk ``grid_tile_width`` M tiles of one column of N tiles before the next column, so the CTAs in flight
+        share their weight tiles and ``grid_tile_width`` row blocks of the activations in L2 (at K = 12288 the
+        whole M = 4096 activation is 48 MiB, near the 50 MiB L2 of an H100).
     """
 
     tile_n: int = 128
     compute_wgs: int = 2
     stages: int = 4
     memory_registers: int = 40
+    persistent_ctas: int = 0
+    grid_tile_width: int = 8
 
     @property
     def cta_m(self) -> int:
@@ -128,6 +149,10 @@ class MosaicGemmConfig:
             raise ValueError(f"MosaicGemmConfig.compute_wgs must be 1 or 2, got {self.compute_wgs}")
         if self.stages < 1:
             raise ValueError(f"MosaicGemmConfig.stages must be >= 1, got {self.stages}")
+        if self.persistent_ctas < 0:
+            raise ValueError(f"MosaicGemmConfig.persistent_ctas must be >= 0, got {self.persistent_ctas}")
+        if self.grid_tile_width < 1:
+            raise ValueError(f"MosaicGemmConfig.grid_tile_width must be >= 1, got {self.grid_tile_width}")
         need = self.smem_bytes(out_dtype, w_scales=w_scales) + SMEM_MARGIN_BYTES
         if need > HOPPER_SMEM_BYTES:
             raise ValueError(f"MosaicGemmConfig {self} needs ~{need} B of shared memory with {jnp.dtype(out_dtype)} "
@@ -183,6 +208,72 @@ def default_config(m: int, out_dtype=jnp.float32, w_scales: str = "block", n: in
     if small:
         return fitted_config(tile_n=64, compute_wgs=1, out_dtype=out_dtype, w_scales=w_scales)
     return fitted_config(tile_n=128, compute_wgs=2, out_dtype=out_dtype, w_scales=w_scales)
+
+
+#: CTAs of the persistent candidates: one per SM of an H100 SXM / H200
+PERSISTENT_CTAS = H100_SMS
+
+
+def candidate_configs(m: int, n: int, out_dtype=jnp.float32, w_scales: str = "block") -> list[MosaicGemmConfig]:
+    """The configurations the on-device tuner times for a dense product of ``M`` rows and ``N`` columns (issue 37
+    items 2 and 3), :func:`default_config`'s first (the reference and the fallback): the 128 x 128 tiles (two
+    compute warpgroups) and the 64 x 64 tiles (one) on their deepest ring, and the 128 x 128 tiles on the
+    persistent grid (:data:`PERSISTENT_CTAS` CTAs, :attr:`MosaicGemmConfig.persistent_ctas`) in snake bands of 8
+    and 16 M tiles. Only valid, distinct configurations. Chosen without a GPU from the prefill GEMM's design space
+    (tile, persistence, rasterization: the choices CUTLASS sm90 and DeepGEMM make per shape); which wins is the
+    device's to say."""
+    base = default_config(m, out_dtype, w_scales, n=n)
+    big = fitted_config(tile_n=128, compute_wgs=2, out_dtype=out_dtype, w_scales=w_scales)
+    small = fitted_config(tile_n=64, compute_wgs=1, out_dtype=out_dtype, w_scales=w_scales)
+    out = []
+    for cfg in (base, big, small, dataclasses.replace(big, persistent_ctas=PERSISTENT_CTAS, grid_tile_width=8),
+                dataclasses.replace(big, persistent_ctas=PERSISTENT_CTAS, grid_tile_width=16)):
+        if cfg not in out:
+            cfg.validate(out_dtype, w_scales)
+            out.append(cfg)
+    return out
+
+
+def config_name(cfg: MosaicGemmConfig) -> str:
+    """The tuner's name of a configuration, e.g. ``wgmma(128x128,stages=5,persistent=132,width=8)``."""
+    name = f"wgmma({cfg.cta_m}x{cfg.tile_n},stages={cfg.stages}"
+    if cfg.memory_registers != 40:
+        name += f",memory_registers={cfg.memory_registers}"
+    if cfg.persistent_ctas:
+        name += f",persistent={cfg.persistent_ctas},width={cfg.grid_tile_width}"
+    return name + ")"
+
+
+def tuned_config(m: int, n: int, k: int, out_dtype=jnp.float32, w_scales: str = "block") -> MosaicGemmConfig:
+    """The configuration of a dense :func:`mosaic_w8a8_matmul` in this process: on a CUDA device, the fastest of
+    :func:`candidate_configs` as timed by :func:`fp8rl_jax.kernels.tuner.select` (op ``"w8a8_gemm"``, key ``N``,
+    ``K``, the M bucket :func:`fp8rl_jax.kernels.tuner.m_bucket`, the output dtype and ``w_scales``; timed on
+    operands of the bucket's M rows; ``FP8RL_AUTOTUNE`` / ``train.autotune`` decide whether it times, reads the
+    shipped and cached tables, or keeps the default); elsewhere (no GPU, a deviceless compile) :func:`default_config`'s.
+    """
+    from fp8rl_jax.kernels import tuner
+
+    out_dtype = jnp.dtype(out_dtype)
+    cands = candidate_configs(m, n, out_dtype, w_scales)
+    mb = tuner.m_bucket(m)
+
+    def make_args():
+        rng = np.random.default_rng(0)
+        kb = -(-k // BLOCK_SIZE)
+        ws_rows = n if w_scales == "row" else -(-n // BLOCK_SIZE)
+        return (jnp.asarray(rng.standard_normal((mb, k)), jnp.float8_e4m3fn),
+                jnp.asarray(rng.uniform(0.5, 2, (mb, kb)), jnp.float32),
+                jnp.asarray(rng.standard_normal((n, k)), jnp.float8_e4m3fn),
+                jnp.asarray(rng.uniform(0.5, 2, (ws_rows, kb)), jnp.float32))
+
+    def runner(cfg):
+        return lambda xq, xs, wq, ws: mosaic_w8a8_matmul(xq, xs, wq, ws, out_dtype=out_dtype, config=cfg,
+                                                         w_scales=w_scales)
+
+    chosen = tuner.select("w8a8_gemm", {"N": n, "K": k, "M<=": mb, "out": out_dtype.name, "w_scales": w_scales},
+                          [tuner.Candidate(config_name(c), c, runner(c), family="w8a8_gemm") for c in cands],
+                          make_args)
+    return chosen.config
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -331,16 +422,7 @@ def _build(mp: int, np_: int, kb: int, bk: int, op_dtype, out_dtype, cfg: Mosaic
         def col_scales(ws_s):
             return ws_s[0, :]
 
-    def body(x_g, xs_g, w_g, ws_g, *rest):
-        *tg, o_g = rest
-        mi, ni, wg = lax.axis_index("m"), lax.axis_index("n"), lax.axis_index("wg")
-        nb = ni // tiles_per_scale  # the weight-scale row of this tile's columns
-        if tile_rows is None:
-            w_ref, ws_ref = w_g, ws_g
-        else:  # the expert of this CTA's rows
-            e = tg[0][(mi * cta_m) // tile_rows]
-            w_ref, ws_ref = w_g.at[e], ws_g.at[e]
-
+    def make_step(ws_ref, nb, wg):
         def step(idx, x_s, w_s, xs_s, *scale_and_acc):
             (k,) = idx
             *ws_s, acc = scale_and_acc
@@ -357,44 +439,98 @@ def _build(mp: int, np_: int, kb: int, bk: int, op_dtype, out_dtype, cfg: Mosaic
             s = row_scales(xs_s, wg) * ws_ref[nb, k]  # 1D2D: one weight-block scale per K block
             return acc + p * lax.broadcast_in_dim(s, (WG_ROWS, tn), (0,))
 
+        return step
+
+    def pipeline(step, mi, ni, epilogue):
+        """The warp-specialized K loop of the output tile ``(mi, ni)``."""
         in_specs = [
             plgpu.BlockSpec((cta_m, bk), lambda k: (mi, k), transforms=op_tr),
             plgpu.BlockSpec((tn, bk), lambda k: (ni, k), transforms=op_tr),
             plgpu.BlockSpec((1, cta_m), lambda k: (k, mi)),
         ]
-        operands = [x_g, w_ref, xs_g]
         if row_mode:  # the K block's [tn] weight scales stream through TMA beside the activation scales
             in_specs.append(plgpu.BlockSpec((1, tn), lambda k: (k, ni)))
-            operands.append(ws_ref)
+        return plgpu.emit_pipeline_warp_specialized(
+            step,
+            grid=(kb,),
+            memory_registers=cfg.memory_registers,
+            in_specs=in_specs,
+            wg_axis="wg",
+            num_compute_wgs=nwg,
+            max_concurrent_steps=cfg.stages,
+            compute_context=epilogue,
+        )
 
-        @functools.partial(pl.run_scoped, o_s=plgpu.SMEM((nwg, WG_ROWS, tn), out_dtype, transforms=out_tr),
-                           collective_axes="wg")
+    def operands(x_g, w_ref, xs_g, ws_ref):
+        return [x_g, w_ref, xs_g] + ([ws_ref] if row_mode else [])
+
+    def store(o_s, o_g, acc, mi, ni, wg):
+        o_s[wg] = acc.astype(out_dtype)
+        plgpu.commit_smem()
+        rows = pl.ds(mi * cta_m + wg * WG_ROWS, WG_ROWS)
+        plgpu.copy_smem_to_gmem(o_s.at[wg], o_g.at[rows, pl.ds(ni * tn, tn)])
+
+    def zeros():
+        return as_layout(jnp.zeros((WG_ROWS, tn), jnp.float32), plgpu.Layout.WGMMA)
+
+    out_smem = plgpu.SMEM((nwg, WG_ROWS, tn), out_dtype, transforms=out_tr)
+
+    def body(x_g, xs_g, w_g, ws_g, *rest):
+        *tg, o_g = rest
+        mi, ni, wg = lax.axis_index("m"), lax.axis_index("n"), lax.axis_index("wg")
+        if tile_rows is None:
+            w_ref, ws_ref = w_g, ws_g
+        else:  # the expert of this CTA's rows
+            e = tg[0][(mi * cta_m) // tile_rows]
+            w_ref, ws_ref = w_g.at[e], ws_g.at[e]
+
+        @functools.partial(pl.run_scoped, o_s=out_smem, collective_axes="wg")
         def _scope(o_s):
             def epilogue(run):
-                acc = run(as_layout(jnp.zeros((WG_ROWS, tn), jnp.float32), plgpu.Layout.WGMMA))
-                o_s[wg] = acc.astype(out_dtype)
-                plgpu.commit_smem()
-                rows = pl.ds(mi * cta_m + wg * WG_ROWS, WG_ROWS)
-                plgpu.copy_smem_to_gmem(o_s.at[wg], o_g.at[rows, pl.ds(ni * tn, tn)])
+                store(o_s, o_g, run(zeros()), mi, ni, wg)
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-            plgpu.emit_pipeline_warp_specialized(
-                step,
-                grid=(kb,),
-                memory_registers=cfg.memory_registers,
-                in_specs=in_specs,
-                wg_axis="wg",
-                num_compute_wgs=nwg,
-                max_concurrent_steps=cfg.stages,
-                compute_context=epilogue,
-            )(*operands)
+            step = make_step(ws_ref, ni // tiles_per_scale, wg)
+            pipeline(step, mi, ni, epilogue)(*operands(x_g, w_ref, xs_g, ws_ref))
+
+    n_m, n_n = mp // cta_m, np_ // tn
+    ctas = min(n_m * n_n, cfg.persistent_ctas)
+
+    def persistent_body(x_g, xs_g, w_g, ws_g, o_g):
+        wg = lax.axis_index("wg")
+        ops = operands(x_g, w_g, xs_g, ws_g)
+        ignore = lambda *_, **__: None  # noqa: E731 - bodies do not change the pipeline's buffers
+        allocs = pipeline(ignore, 0, 0, ignore).get_allocations(*ops)
+
+        @functools.partial(pl.run_scoped, allocs=allocs, o_s=out_smem, collective_axes="wg")
+        def _scope(allocs, o_s):
+            @plgpu.nd_loop((n_m * n_n,), collective_axes="sm")
+            def _tile(info):
+                (lin,) = info.index
+                mi, ni = plgpu.planar_snake(lin, (n_m, n_n), 0, cfg.grid_tile_width)
+
+                def epilogue(run):
+                    acc = run(zeros())
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's store has read o_s[wg]
+                    store(o_s, o_g, acc, mi, ni, wg)
+
+                step = make_step(ws_g, ni // tiles_per_scale, wg)
+                pipeline(step, mi, ni, epilogue)(*ops, allocations=allocs)
+
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     name = "fp8_blockwise_gemm_wgmma" if tile_rows is None else "fp8_blockwise_grouped_gemm_wgmma"
+    if ctas:
+        if tile_rows is not None:
+            raise ValueError("MosaicGemmConfig.persistent_ctas: the persistent grid is for dense products only")
+        kernel_body, grid, grid_names, name = persistent_body, (ctas,), ("sm",), name + "_persistent"
+    else:
+        kernel_body, grid, grid_names = body, (n_m, n_n), ("m", "n")
     return plgpu.kernel(
-        body,
+        kernel_body,
         out_type=jax.ShapeDtypeStruct((mp, np_), out_dtype),
-        grid=(mp // cta_m, np_ // tn),
-        grid_names=("m", "n"),
+        grid=grid,
+        grid_names=grid_names,
         num_threads=nwg + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
@@ -513,7 +649,9 @@ def mosaic_w8a8_matmul(xq: jax.Array, xs: jax.Array, wq: jax.Array, ws: jax.Arra
       interpret: ``False`` (default) compiles with Mosaic GPU (needs an sm_90a target: a Hopper GPU, or a
         deviceless compile); ``True`` (or a ``jax._src.pallas.mosaic_gpu.interpret.params.InterpretGPUParams``)
         runs the same kernel in Mosaic GPU's interpreter on the CPU (slow: tests only).
-      config: tile configuration (:class:`MosaicGemmConfig`); default :func:`default_config` of M and N.
+      config: tile configuration (:class:`MosaicGemmConfig`); default :func:`tuned_config` of M, N and K (the
+        on-device tuner's choice among :func:`candidate_configs` on a GPU, :func:`default_config`'s elsewhere and
+        in interpret mode).
       w_scales: ``"block"`` (default) or ``"row"`` (the layout of ``ws``).
 
     Returns:
@@ -526,7 +664,12 @@ def mosaic_w8a8_matmul(xq: jax.Array, xs: jax.Array, wq: jax.Array, ws: jax.Arra
     """
     m, n, _, _ = check_operands(xq, xs, wq, ws, block_size, w_scales=w_scales)
     out_dtype = _check_out_dtype(out_dtype, "mosaic_w8a8_matmul")
-    cfg = config or default_config(m, out_dtype, w_scales, n=n)
+    if config is not None:
+        cfg = config
+    elif interpret is False and m:
+        cfg = tuned_config(m, n, xq.shape[1], out_dtype, w_scales)
+    else:
+        cfg = default_config(m, out_dtype, w_scales, n=n)
     cfg.validate(out_dtype, w_scales)
     if not isinstance(interpret, bool):
         _interpret_params(interpret)  # validates; InterpretGPUParams is hashable (frozen dataclass)
@@ -739,8 +882,10 @@ def main(argv=None) -> None:
     """Time this kernel against bf16 ``dot_general`` at the Qwen3-8B prefill GEMMs (``--m`` rows, default 4096): per
     shape, microseconds and TFLOP/s of bf16 ``x @ w.T``, of this kernel on e4m3 operands (bf16 out), and of the
     activation quantization (:func:`fp8rl_jax.kernels.pallas_quant.pallas_quantize_activation_groupwise`) plus this
-    kernel, with the FP8 / bf16 speedups (issue 37 item 2's goal: >= 1.3x with the quantization). On a Hopper GPU;
-    ``--smoke`` runs a tiny shape in Mosaic GPU's interpreter on the CPU (the numbers then mean nothing).
+    kernel, with the FP8 / bf16 speedups (issue 37 item 2's goal: >= 1.3x with the quantization). The kernel runs
+    :func:`tuned_config`'s configuration (column ``config``: ``FP8RL_AUTOTUNE`` decides whether it is timed now, read
+    from a table, or the default). On a Hopper GPU; ``--smoke`` runs a tiny shape in Mosaic GPU's interpreter on the
+    CPU (the numbers then mean nothing).
 
     Raises:
       SystemExit: bad flags (argparse).
@@ -770,14 +915,15 @@ def main(argv=None) -> None:
             aq, s = pallas_quantize_activation_groupwise(a, interpret=args.smoke, check=False)
             return mosaic_w8a8_matmul(aq, s, q, t, out_dtype=jnp.bfloat16, interpret=args.smoke)
 
+        config = config_name(tuned_config(m, n, k, jnp.bfloat16) if not args.smoke else default_config(m, n=n))
         flop = 2.0 * m * n * k
         bf16_us = per_call_us(lambda a, b: jnp.dot(a, b.T, preferred_element_type=jnp.float32).astype(jnp.bfloat16),
                               (x, w), iters)
         fp8_us = per_call_us(fp8, (xq, xs, wq, ws), iters)
         fq_us = per_call_us(fp8_quant, (x, wq, ws), iters)
-        rows.append((name, m, n, k, bf16_us, flop / bf16_us / 1e6, fp8_us, flop / fp8_us / 1e6, fq_us,
+        rows.append((name, config, m, n, k, bf16_us, flop / bf16_us / 1e6, fp8_us, flop / fp8_us / 1e6, fq_us,
                      bf16_us / fp8_us, bf16_us / fq_us))
-    print_table("W8A8 Mosaic GPU GEMM vs bf16 dot_general", ("shape", "M", "N", "K", "bf16 us", "bf16 TF/s", "fp8 us", "fp8 TF/s", "fp8+quant us",
+    print_table("W8A8 Mosaic GPU GEMM vs bf16 dot_general", ("shape", "config", "M", "N", "K", "bf16 us", "bf16 TF/s", "fp8 us", "fp8 TF/s", "fp8+quant us",
                  "fp8/bf16", "fp8+quant/bf16"), rows)
 
 
