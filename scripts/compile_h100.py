@@ -27,6 +27,8 @@ program is built from abstract arguments (``jax.ShapeDtypeStruct`` on a mesh of 
   swap-AB wgmma, Mosaic GPU) at each Qwen3-8B decode shape (qkv, o_proj, gate_up, down_proj) and Qwen3-30B-A3B
   attention shape (qkv, o_proj), M = 1, 16, 64 tokens, with ``choose_config``'s configuration (what the kernel ships
   when called without one); one shape per compile (3-7 s each), so each PTX belongs to one record.
+* ``prefill_gemm_*``: the FP8 prefill GEMM kernel alone (``fp8rl_jax.kernels.mosaic_gemm.mosaic_w8a8_matmul``,
+  128x128 wgmma tiles) at the four Qwen3-8B prefill shapes, M = 4096, bf16 out, ``default_config``'s configuration.
 
 Vocabulary: every program keeps the real 151,936 (the logits, sampling and ``lm_head`` GEMM compile at their real
 shape; only the layer count is cut).
@@ -43,7 +45,9 @@ the decode loop's matrix-product launches move per layer: ``fp8rl_jax.gpu_dump.l
 difference) beside ``weight_bytes_per_layer`` and ``active_weight_bytes_per_layer`` (a layer's weights as the engine
 holds them; MoE: the top-k experts one token reads).
 
-``h100_compile.json`` also has ``"kernels"``: one roofline record per ``decode_gemm_*`` program
+``h100_compile.json`` also has ``"kernels"``: one roofline record per ``decode_gemm_*`` and ``prefill_gemm_*``
+program (prefill: :func:`fp8rl_jax.kernel_roofline.prefill_kernel_record`, the same fields and
+``issue_per_mma_cycles``; only its spill check applies); decode
 (:func:`fp8rl_jax.kernel_roofline.decode_kernel_record`: ``name``, ``shape``, ``m``, ``config``, ``grid``,
 ``wave_efficiency``, ``bytes_in_flight_per_sm`` from the configuration's ``roofline()``;
 ``loop_instructions_per_weight_byte`` read from the kernel's PTX (its wgmma loop's per-thread instructions x the
@@ -93,6 +97,8 @@ TRAIN_COST = {"bf16": 10, "fp16": 12, "fp8": 31, "fp8_e4m3": 35, "fp8_e5m2": 63,
 KERNEL_COST = 4
 #: tokens of the decode GEMM kernel programs (``decode_gemm_*``): b=1, a small and the largest decode batch
 DECODE_GEMM_TOKENS = (1, 16, 64)
+#: tokens of the prefill GEMM kernel programs (``prefill_gemm_*``): issue 37 item 2's M
+PREFILL_GEMM_TOKENS = 4096
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,6 +165,13 @@ def _programs() -> list[Program]:
                                      batch=m, projection=proj, n=n, k=k, cost=KERNEL_COST,
                                      describe=f"FP8 decode GEMM (swap-AB wgmma), Qwen3-{model.upper()} {proj} "
                                               f"N={n} K={k}, M={m}, choose_config's configuration"))
+    from fp8rl_jax.kernels.mosaic_gemm import QWEN3_8B_PREFILL
+
+    for proj, n, k in QWEN3_8B_PREFILL:
+        progs.append(Program(f"prefill_gemm_8b_{proj}_m{PREFILL_GEMM_TOKENS}", "kernel", "8b", "fp8",
+                             batch=PREFILL_GEMM_TOKENS, projection=proj, n=n, k=k, cost=KERNEL_COST,
+                             describe=f"FP8 prefill GEMM (128x128 wgmma tiles), Qwen3-8B {proj} N={n} K={k}, "
+                                      f"M={PREFILL_GEMM_TOKENS}, default_config's configuration, bf16 out"))
     return progs
 
 
@@ -223,7 +236,7 @@ def build(p: Program, layers: int):
                   fused=fused, keep_stacks=bool(cfg.num_experts))
         return _export, (params,), kw, mesh
     if p.kind == "kernel":
-        fn, args, _ = decode_gemm_program(p)
+        fn, args, _ = (prefill_gemm_program if p.name.startswith("prefill_gemm") else decode_gemm_program)(p)
         return fn, args, {}, mesh
     raise ValueError(f"unknown program kind {p.kind!r}")
 
@@ -246,15 +259,45 @@ def decode_gemm_program(p: Program):
     return (lambda xq, xs, wq, ws: decode_w8a8_matmul(xq, xs, wq, ws, config=cfg)), args, cfg
 
 
+def prefill_gemm_program(p: Program):
+    """``(fn, abstract args, config)`` of a ``prefill_gemm_*`` program: ``mosaic_w8a8_matmul`` of e4m3 ``[M, K]``
+    activations (1x128 scales) and an e4m3 ``[N, K]`` weight (128x128 scales), bfloat16 out, with
+    ``default_config(M, bfloat16, n=N)`` (what the kernel runs without a GPU to tune on; passed explicitly, so that
+    the record's configuration is the compiled one)."""
+    import jax
+    import jax.numpy as jnp
+
+    from fp8rl_jax.kernels.mosaic_gemm import default_config, mosaic_w8a8_matmul
+
+    m, n, k = p.batch, p.n, p.k
+    cfg = default_config(m, jnp.bfloat16, n=n)
+    s = jax.ShapeDtypeStruct
+    args = (s((m, k), jnp.float8_e4m3fn), s((m, -(-k // 128)), jnp.float32), s((n, k), jnp.float8_e4m3fn),
+            s((-(-n // 128), -(-k // 128)), jnp.float32))
+    return (lambda xq, xs, wq, ws: mosaic_w8a8_matmul(xq, xs, wq, ws, out_dtype=jnp.bfloat16, config=cfg)), args, cfg
+
+
 def kernel_record(p: Program, dump: str) -> dict:
     """The roofline record of a ``decode_gemm_*`` program from its dump (:mod:`fp8rl_jax.kernel_roofline`): the
     configuration's grid, wave efficiency and bytes in flight; the wgmma loop's instructions per weight byte read
     from the kernel's PTX; registers and spills from its ptxas report. A reading error gives a record with the
     metrics it could not read as None and ``error`` (the check then fails on them)."""
-    from fp8rl_jax.kernel_roofline import decode_kernel_record, find_kernel_ptx
+    from fp8rl_jax.kernel_roofline import (PREFILL_KERNEL_NAME, decode_kernel_record, find_kernel_ptx,
+                                           prefill_kernel_record)
 
-    _, _, cfg = decode_gemm_program(p)
     proj = f"Qwen3-{p.model.upper()} {p.projection}"
+    if p.name.startswith("prefill_gemm"):
+        _, _, cfg = prefill_gemm_program(p)
+        try:
+            name = PREFILL_KERNEL_NAME + ("_persistent" if cfg.persistent_ctas else "")
+            ptx, report = find_kernel_ptx(dump, name)
+            return prefill_kernel_record(p.name, p.n, p.k, p.batch, ptx, report, cfg, projection=proj)
+        except (OSError, ValueError) as e:
+            return {"name": p.name, "kernel": PREFILL_KERNEL_NAME, "gemm": "prefill",
+                    "shape": {"projection": proj, "n": p.n, "k": p.k},
+                    "m": p.batch, "config": dataclasses.asdict(cfg), "spills": None,
+                    "error": f"{type(e).__name__}: {e}"}
+    _, _, cfg = decode_gemm_program(p)
     try:
         ptx, report = find_kernel_ptx(dump)
         return decode_kernel_record(p.name, p.n, p.k, p.batch, ptx, report, cfg=cfg, projection=proj)
@@ -551,7 +594,8 @@ def write_outputs(records: list[dict], out_dir: str, jax_version: str, wall_s: f
     under ``out_dir``; returns their paths. The JSON's ``"kernels"``: :func:`kernel_records`."""
     from fp8rl_jax.gpu_target import TARGET_DESCRIPTION
     from fp8rl_jax.kernel_roofline import (MAX_LOOP_INSTRUCTIONS_PER_WEIGHT_BYTE, MIN_BYTES_IN_FLIGHT_PER_SM,
-                                           MIN_WAVE_EFFICIENCY, markdown_table)
+                                           MIN_WAVE_EFFICIENCY, is_prefill_record, markdown_table,
+                                           prefill_markdown_table)
 
     os.makedirs(out_dir, exist_ok=True)
     kernels = kernel_records(records)
@@ -607,7 +651,9 @@ def write_outputs(records: list[dict], out_dir: str, jax_version: str, wall_s: f
         libs = "<br>".join(f"{t} x{n}" for t, n in (r.get("custom_calls") or {}).items()
                            if t not in ("__gpu$xla.gpu.triton", "mosaic_gpu_v2", "mosaic_gpu"))
         lines.append(f"| {r['name']} | {ok} | {secs} | {kpl} | {mib} | {gemm} | {pallas} | {libs} | {temp} |")
-    if kernels:
+    decode = [r for r in kernels if not is_prefill_record(r)]
+    prefill = [r for r in kernels if is_prefill_record(r)]
+    if decode:
         lines += ["", "## FP8 decode GEMM kernels: the roofline read from the compiled code", "",
                   "Each `decode_gemm_*` program compiles `decode_w8a8_matmul` (the swap-AB FP8 wgmma kernel, "
                   "`fp8rl_jax/kernels/decode_gemm_mgpu.py`) alone at one shape with `choose_config`'s "
@@ -620,7 +666,18 @@ def write_outputs(records: list[dict], out_dir: str, jax_version: str, wall_s: f
                   "from ptxas. Checks (issue 37; a miss is in bold and fails the run): wave efficiency >= "
                   f"{MIN_WAVE_EFFICIENCY}, in flight >= {MIN_BYTES_IN_FLIGHT_PER_SM // 1024} KiB per SM, "
                   f"<= {MAX_LOOP_INSTRUCTIONS_PER_WEIGHT_BYTE} loop instructions per weight byte, no spill.", ""]
-        lines += markdown_table(kernels)
+        lines += markdown_table(decode)
+    if prefill:
+        lines += ["", "## FP8 prefill GEMM kernels: the compiled K loop against the tensor cores' time", "",
+                  "Each `prefill_gemm_*` program compiles `mosaic_w8a8_matmul` (the 128x128-tile FP8 wgmma GEMM, "
+                  "`fp8rl_jax/kernels/mosaic_gemm.py`) alone at one Qwen3-8B shape, M = 4096, with "
+                  "`default_config`'s configuration (on a GPU the autotuner may choose another). A prefill GEMM is "
+                  "compute-bound: issue / MMA cycles = the compute warpgroups' warp-instructions of one K step "
+                  "(READ FROM THE PTX) over the SM's 4 schedulers, divided by the cycles that step's wgmmas take "
+                  "on the tensor cores at 8192 dense FP8 FLOP per cycle per SM (H100 SXM). Near 1, the per-K-block "
+                  "promotion cannot hide behind the other warpgroup's wgmma. Wave efficiency counts output tiles "
+                  "over 132 SMs. Check: no spill (issue 37's other thresholds are for the decode kernels).", ""]
+        lines += prefill_markdown_table(prefill)
     failed = [r for r in records if not r["compiled"]]
     if failed:
         lines += ["", "## Failures", ""]
@@ -633,7 +690,8 @@ def write_outputs(records: list[dict], out_dir: str, jax_version: str, wall_s: f
 
 
 def kernel_records(records: list[dict]) -> list[dict]:
-    """The roofline records (``"kernels"`` of h100_compile.json) of the compiled ``decode_gemm_*`` programs."""
+    """The roofline records (``"kernels"`` of h100_compile.json) of the compiled ``decode_gemm_*`` and
+    ``prefill_gemm_*`` programs."""
     return [r["kernel"] for r in records if r.get("kind") == "kernel" and r.get("kernel")]
 
 

@@ -8,11 +8,13 @@ their ``.reg`` does not), vector operands in braces, comments, ``.loc`` lines an
 metric, and pass a good one; scripts/compile_h100.py writes the ``"kernels"`` list and its Markdown table.
 (c) A deviceless sm_90a compile in .venv-cuda (subprocess) of the decode GEMM at M=1, N=6144, K=4096 with
 ``choose_config``'s configuration: the loop instructions per weight byte READ FROM ITS PTX are <= 0.15, its wgmma is
-``m64n8k32.f32.e4m3.e4m3``, and ptxas reports no spill.
+``m64n8k32.f32.e4m3.e4m3``, and ptxas reports no spill; and of the prefill GEMM at M=4096 (same N, K): its K loop
+issues less than the tensor cores' time of the step (``issue_per_mma_cycles < 1``), no spill.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pathlib
@@ -178,6 +180,32 @@ def test_decode_kernel_record_reads_the_ptx_and_the_ptxas_report():
     assert (spilled["spill_stores"], spilled["spill_loads"], spilled["spills"]) == (8, 16, 24)
 
 
+def test_prefill_kernel_record_reads_the_ptx_and_compares_issue_with_the_tensor_cores():
+    """A prefill record (Qwen3-8B qkv at M = 4096, 128x128 tiles, two compute warpgroups) from the hand-counted
+    PTX: 17 instructions per thread and K step x 8 warps / 4 schedulers = 34 issue cycles against the 2 x 128 x 128
+    x 128 / 8192 = 512 cycles of the step's wgmmas; 32 x 48 = 1536 tiles in 12 waves of 132 SMs; 5 stages of
+    (128 + 128) x 128 operand bytes + 512 scale bytes. Only a spill fails it."""
+    from fp8rl_jax.kernels.mosaic_gemm import MosaicGemmConfig
+
+    cfg = MosaicGemmConfig(tile_n=128, compute_wgs=2, stages=5)
+    report = PTXAS.replace("fp8_decode_gemm_swapab_wgmma", "fp8_blockwise_gemm_wgmma")
+    rec = kr.prefill_kernel_record("prefill_gemm_8b_qkv_m4096", 6144, 4096, 4096, PTX,
+                                   report.format(stores=0, loads=0), cfg, projection="Qwen3-8B qkv")
+    assert rec["gemm"] == "prefill" and rec["kernel"] == "fp8_blockwise_gemm_wgmma" and kr.is_prefill_record(rec)
+    assert rec["grid"] == [32, 48] and rec["tiles"] == 1536
+    assert rec["wave_efficiency"] == round(1536 / (12 * 132), 4)
+    assert rec["bytes_in_flight_per_sm"] == 5 * (256 * 128 + 512)
+    assert rec["loop_instructions"] == 17 and rec["issue_per_mma_cycles"] == round(34 / 512, 4)
+    assert (rec["registers"], rec["spills"]) == (255, 0)
+    assert kr.roofline_violations(dict(rec, wave_efficiency=0.3, bytes_in_flight_per_sm=1)) == []
+    spilled = kr.prefill_kernel_record("p", 6144, 4096, 4096, PTX, report.format(stores=4, loads=4), cfg)
+    assert kr.roofline_violations(spilled) == ["p: spills = 8 (> 0 bytes)"]
+    # the persistent grid: 132 CTAs (or fewer tiles), 12 waves all the same
+    pers = kr.prefill_kernel_record("p", 6144, 4096, 4096, PTX, "", dataclasses.replace(cfg, persistent_ctas=132))
+    assert pers["grid"] == [132] and pers["kernel"] == "fp8_blockwise_gemm_wgmma_persistent"
+    assert pers["wave_efficiency"] == rec["wave_efficiency"] and pers["spills"] is None
+
+
 GOOD = {"name": "decode_gemm_8b_qkv_m1", "wave_efficiency": 0.97, "bytes_in_flight_per_sm": 221952,
         "loop_instructions_per_weight_byte": 0.0288, "registers": 255, "spills": 0}
 
@@ -210,19 +238,31 @@ def test_compile_h100_writes_the_kernels_list_and_table(tmp_path):
     finally:
         sys.path.remove(str(REPO / "scripts"))
     names = [n for n, p in ch.PROGRAMS.items() if p.kind == "kernel"]
-    assert len(names) == 18 and "decode_gemm_8b_qkv_m1" in names and "decode_gemm_30b_a3b_o_proj_m64" in names
+    assert len(names) == 22 and "decode_gemm_8b_qkv_m1" in names and "decode_gemm_30b_a3b_o_proj_m64" in names
+    assert "prefill_gemm_8b_down_proj_m4096" in names
     good = dict(GOOD, shape={"projection": "Qwen3-8B qkv", "n": 6144, "k": 4096}, m=1,
                 config={"compute_wgs": 1, "stages": 8, "splits": 4}, grid=[96, 4], loop_instructions=59,
                 wgmma=[WGMMA_M1])
     slow = dict(good, name="decode_gemm_8b_o_proj_m1", wave_efficiency=0.4848)
-    records = ch.merge(["decode_gemm_8b_qkv_m1", "decode_gemm_8b_o_proj_m1"], {
+    prefill = {"name": "prefill_gemm_8b_qkv_m4096", "kernel": "fp8_blockwise_gemm_wgmma", "gemm": "prefill",
+               "shape": {"projection": "Qwen3-8B qkv", "n": 6144, "k": 4096}, "m": 4096,
+               "config": {"tile_n": 128, "compute_wgs": 2, "stages": 5, "persistent_ctas": 0}, "grid": [32, 48],
+               "tiles": 1536, "wave_efficiency": 0.9697, "bytes_in_flight_per_sm": 166400, "loop_instructions": 192,
+               "issue_per_mma_cycles": 0.75, "registers": 168, "spills": 0, "wgmma": ["wgmma.x"]}
+    records = ch.merge(["decode_gemm_8b_qkv_m1", "decode_gemm_8b_o_proj_m1", "prefill_gemm_8b_qkv_m4096"], {
         "decode_gemm_8b_qkv_m1": {"compiled": True, "compile_s": 4.0, "kernel": good},
-        "decode_gemm_8b_o_proj_m1": {"compiled": True, "compile_s": 4.0, "kernel": slow}})
+        "decode_gemm_8b_o_proj_m1": {"compiled": True, "compile_s": 4.0, "kernel": slow},
+        "prefill_gemm_8b_qkv_m4096": {"compiled": True, "compile_s": 2.0, "kernel": prefill}})
     jpath, mpath = ch.write_outputs(records, str(tmp_path), "0.0", 8.0, 1, "test")
     doc = json.load(open(jpath))
-    assert [k["name"] for k in doc["kernels"]] == ["decode_gemm_8b_qkv_m1", "decode_gemm_8b_o_proj_m1"]
+    assert [k["name"] for k in doc["kernels"]] == ["decode_gemm_8b_qkv_m1", "decode_gemm_8b_o_proj_m1",
+                                                   "prefill_gemm_8b_qkv_m4096"]
     md = open(mpath).read()
-    assert "## FP8 decode GEMM kernels" in md
+    assert "## FP8 decode GEMM kernels" in md and "## FP8 prefill GEMM kernels" in md
+    row = next(x for x in md.splitlines() if x.startswith("| prefill_gemm_8b_qkv_m4096 | Qwen3-8B"))
+    assert "| 128x128, 5, - | 32x48 (1536) | 0.9697 | 162.5 | 192 | 0.75 | 168 | 0 |" in row
+    decode_table = md.split("## FP8 prefill GEMM kernels")[0]
+    assert "prefill_gemm_8b_qkv_m4096 | Qwen3" not in decode_table
     row = next(x for x in md.splitlines() if x.startswith("| decode_gemm_8b_o_proj_m1 | Qwen3-8B"))
     assert "**0.485**" in row and "0.0288 (59 / K step)" in row and "m64n8k32.f32.e4m3.e4m3" in row
 
@@ -244,7 +284,17 @@ _COMPILE = textwrap.dedent("""
                             S((n, k), jnp.float8_e4m3fn), S((n // 128, k // 128), jnp.float32), dump_dir=sys.argv[1])
     ptx, report = kr.find_kernel_ptx(sys.argv[1])
     rec = kr.decode_kernel_record("decode_gemm_8b_qkv_m1", n, k, m, ptx, report, cfg=cfg)
-    print(json.dumps({"record": rec, "forms": r.gemm_instruction_counts, "compile_s": round(r.compile_s, 1)}))
+    # the prefill GEMM at the same N x K, M = 4096, its default configuration
+    from fp8rl_jax.kernels.mosaic_gemm import default_config, mosaic_w8a8_matmul
+    pm = 4096
+    pcfg = default_config(pm, jnp.bfloat16, n=n)
+    gt.compile_for_h100(lambda xq, xs, wq, ws: mosaic_w8a8_matmul(xq, xs, wq, ws, out_dtype=jnp.bfloat16, config=pcfg),
+                        S((pm, k), jnp.float8_e4m3fn), S((pm, k // 128), jnp.float32),
+                        S((n, k), jnp.float8_e4m3fn), S((n // 128, k // 128), jnp.float32), dump_dir=sys.argv[1] + "/p")
+    ptx, report = kr.find_kernel_ptx(sys.argv[1] + "/p", kr.PREFILL_KERNEL_NAME)
+    prec = kr.prefill_kernel_record("prefill_gemm_8b_qkv_m4096", n, k, pm, ptx, report, pcfg)
+    print(json.dumps({"record": rec, "prefill": prec, "forms": r.gemm_instruction_counts,
+                      "compile_s": round(r.compile_s, 1)}))
 """)
 
 
@@ -268,3 +318,11 @@ def test_sm90a_decode_gemm_loop_reads_under_the_limit(tmp_path):
     assert rec["loop_instructions_per_weight_byte"] <= kr.MAX_LOOP_INSTRUCTIONS_PER_WEIGHT_BYTE
     assert rec["spills"] == 0 and rec["registers"] > 0
     kr.check_roofline([rec])
+    # the prefill GEMM: 128x128 e4m3 wgmma, its K loop's issue below the tensor cores' time, no spill
+    prec = out["prefill"]
+    print(f"prefill GEMM M=4096 N=6144 K=4096: {prec['loop_instructions']} instructions per K step, issue / MMA "
+          f"cycles {prec['issue_per_mma_cycles']}, {prec['registers']} registers")
+    assert prec["wgmma"] == ["wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3"]
+    assert 64 < prec["loop_instructions"] and 0 < prec["issue_per_mma_cycles"] < 1  # 64 promotion FMAs at least
+    assert prec["spills"] == 0 and prec["registers"] > 0 and prec["grid"] == [32, 48]
+    kr.check_roofline([prec])
