@@ -48,8 +48,10 @@ COMMUTING = [t for t in TRANSFORMS if not getattr(t, "batch_normalize", False)]
 
 @st.composite
 def batches(draw):
-    B = draw(st.integers(1, 4))
-    T = draw(st.integers(1, 5))
+    # two sizes per axis, the edge (1) and a ragged one: the properties are about values, masks and junk, and each
+    # new shape recompiles every eager op (20 shapes made this file ~100 s of the suite)
+    B = draw(st.sampled_from([1, 3]))
+    T = draw(st.sampled_from([1, 5]))
     val = st.floats(-110.0, 0.0, allow_nan=False, width=32)
     lp = draw(hnp.arrays(np.float32, (B, T), elements=val))
     old = draw(hnp.arrays(np.float32, (B, T), elements=val))
