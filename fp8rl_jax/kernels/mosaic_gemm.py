@@ -426,18 +426,20 @@ def _build(mp: int, np_: int, kb: int, bk: int, op_dtype, out_dtype, cfg: Mosaic
         def step(idx, x_s, w_s, xs_s, *scale_and_acc):
             (k,) = idx
             *ws_s, acc = scale_and_acc
+            # the K block's scales are read before its wgmma is issued, so that their loads (the weight scale from
+            # global memory: an L2 round trip) overlap the tensor cores' work instead of following wgmma_wait
+            if row_mode:  # 1D1D: s[m, n] = xs[m] * ws[n]
+                s = (lax.broadcast_in_dim(row_scales(xs_s, wg), (WG_ROWS, tn), (0,))
+                     * lax.broadcast_in_dim(col_scales(ws_s[0]), (WG_ROWS, tn), (1,)))
+            else:  # 1D2D: one weight-block scale per K block
+                s = lax.broadcast_in_dim(row_scales(xs_s, wg) * ws_ref[nb, k], (WG_ROWS, tn), (0,))
 
             def mma(p_ref):
                 plgpu.wgmma(p_ref, x_s.at[pl.ds(wg * WG_ROWS, WG_ROWS)], plgpu.transpose_ref(w_s, (1, 0)))
                 return p_ref[...]
 
             p = pl.run_scoped(mma, plgpu.ACC((WG_ROWS, tn), jnp.float32))
-            if row_mode:  # 1D1D: s[m, n] = xs[m] * ws[n]
-                s = (lax.broadcast_in_dim(row_scales(xs_s, wg), (WG_ROWS, tn), (0,))
-                     * lax.broadcast_in_dim(col_scales(ws_s[0]), (WG_ROWS, tn), (1,)))
-                return acc + p * s
-            s = row_scales(xs_s, wg) * ws_ref[nb, k]  # 1D2D: one weight-block scale per K block
-            return acc + p * lax.broadcast_in_dim(s, (WG_ROWS, tn), (0,))
+            return acc + p * s
 
         return step
 
