@@ -208,26 +208,36 @@ def test_interpret_batched_row_and_block_scales():
     assert max(worst.values()) <= 1.0
 
 
-@pytest.mark.parametrize("w_scales,out_dtype", [("block", jnp.float32), ("row", jnp.bfloat16)])
-def test_interpret_persistent_grid_matches_float64_reference(w_scales, out_dtype):
-    """The persistent grid (issue 37 item 2: :attr:`MosaicGemmConfig.persistent_ctas`): 5 CTAs loop over the 3 x 3
-    output tiles of a ragged M = 300, N = 300, K = 300 product in snake bands of 2 M tiles, so CTAs take one or two
-    tiles each, a band ends inside a column and the last band is one tile wide; each tile's output store overlaps the
-    next tile. Every tile must hold the float64 formula (a tile skipped, computed twice into the wrong place or
-    stored from a rewritten buffer misses by orders of magnitude)."""
+@pytest.mark.parametrize("m,n,k,w_scales,out_dtype,blocks", [(300, 200, 700, "block", jnp.float32, 1),
+                                                              (200, 390, 900, "row", jnp.bfloat16, 1),
+                                                              (300, 200, 700, "block", jnp.bfloat16, 2)])
+def test_interpret_persistent_grid_matches_float64_reference(m, n, k, w_scales, out_dtype, blocks):
+    """The persistent grid (issue 37 item 2: :attr:`MosaicGemmConfig.persistent_ctas`): 5 CTAs loop over the
+    3 x 2 or 2 x 4 output tiles of a ragged, non-square product in snake bands of 2 M tiles, so CTAs take one or two
+    tiles each and a band ends inside a column; the TMA ring (4 or 5 stages) is reused across tiles at K block counts
+    (6, 8) that are not multiples of it, as at the real shapes (32 or 96 blocks in 5 stages). Every tile must hold
+    the float64 formula (a tile skipped, placed at the wrong (m, n), or reading a stale ring slot misses by orders
+    of magnitude), and the first case must equal the one-tile-per-CTA kernel bit for bit (same per-tile arithmetic).
+    ``blocks=2``: two K blocks per pipeline step (:attr:`MosaicGemmConfig.blocks_per_step`), each promoted with its
+    own scales; K's 6 blocks in 3 steps. Not checkable here: the order of a tile's TMA store against the next
+    tile's rewrite of the output buffer (the interpreter copies synchronously; the GPU self-test and the tuner's
+    output comparison cover it on a device)."""
     import dataclasses
 
-    xq, xs, wq, ws = _operands(300, 300, 300, seed=11)
+    xq, xs, wq, ws = _operands(m, n, k, seed=11)
     if w_scales == "row":  # 1x128 groups of B: one scale per weight row and K block
-        ws = np.repeat(ws, 128, axis=0)[:300] * np.exp(np.random.default_rng(12).uniform(-1, 1, (300, 1)))
+        ws = np.repeat(ws, 128, axis=0)[:n] * np.exp(np.random.default_rng(12).uniform(-1, 1, (n, 1)))
         ws = ws.astype(np.float32)
-    cfg = dataclasses.replace(fitted_config(out_dtype=out_dtype, w_scales=w_scales), persistent_ctas=5,
-                              grid_tile_width=2)
+    base = fitted_config(out_dtype=out_dtype, w_scales=w_scales, blocks_per_step=blocks)
+    cfg = dataclasses.replace(base, persistent_ctas=5, grid_tile_width=2)
     y = _run(xq, xs, wq, ws, config=cfg, out_dtype=out_dtype, w_scales=w_scales)
     y_ref, a = (_row_reference if w_scales == "row" else _reference)(xq, xs, wq, ws)
     r = _ratio(y, y_ref, _tolerance(a, xs.shape[1], y_ref, np.dtype(out_dtype)))
-    print(f"persistent {w_scales} {np.dtype(out_dtype)}: max |err| / bound = {r:.3g}")
-    assert y.shape == (300, 300) and r <= 1.0
+    print(f"persistent {m}x{n}x{k} {w_scales} {np.dtype(out_dtype)} blocks={blocks}, {cfg.stages} stages: "
+          f"max |err| / bound = {r:.3g}")
+    assert y.shape == (m, n) and r <= 1.0
+    if blocks == 1 and w_scales == "block":
+        np.testing.assert_array_equal(y, _run(xq, xs, wq, ws, config=base, out_dtype=out_dtype))
 
 
 def test_prefill_tuner_candidates_and_choice(monkeypatch, tmp_path):
@@ -238,6 +248,11 @@ def test_prefill_tuner_candidates_and_choice(monkeypatch, tmp_path):
     from fp8rl_jax.kernels import mosaic_gemm as mg
     from fp8rl_jax.kernels import registry, tuner
 
+    monkeypatch.setenv("FP8RL_AUTOTUNE_CACHE", str(tmp_path))
+    monkeypatch.setenv("FP8RL_AUTOTUNE_BUDGET_S", "900")  # interpret mode on this CPU, not a GPU
+    monkeypatch.setattr(tuner, "_SHIPPED_ROOT", tmp_path / "shipped")  # no shipped table decides here
+    monkeypatch.setattr(registry, "cuda_device", lambda: None)  # first: no CUDA device, whatever this machine has
+    tuner.reset()
     m, n, k = 3, 128, 256
     cands = mg.candidate_configs(m, n)
     assert cands[0] == default_config(m, n=n) and len(set(cands)) == len(cands) >= 3
@@ -249,9 +264,8 @@ def test_prefill_tuner_candidates_and_choice(monkeypatch, tmp_path):
     class FakeGPU:
         device_kind = "NVIDIA H100 80GB HBM3"
         platform = "gpu"
+        core_count = 132
 
-    monkeypatch.setenv("FP8RL_AUTOTUNE_CACHE", str(tmp_path))
-    monkeypatch.setenv("FP8RL_AUTOTUNE_BUDGET_S", "900")  # interpret mode on this CPU, not a GPU
     monkeypatch.setattr(registry, "cuda_device", lambda: FakeGPU())
     monkeypatch.setattr(registry, "use_kernel", lambda family: True)  # the family's self-test: its own test
     timed = []
@@ -272,8 +286,14 @@ def test_prefill_tuner_candidates_and_choice(monkeypatch, tmp_path):
     stored = list(tmp_path.rglob("w8a8_gemm.json"))
     assert len(stored) == 1 and mg.config_name(cands[-1]) in stored[0].read_text()
     tuner.reset()  # a new process: the stored choice, nothing timed
-    with tuner.autotune_mode_scope("cached"):
-        assert mg.tuned_config(m, n, k) == cands[-1] and len(timed) == len(cands)
+    try:
+        with tuner.autotune_mode_scope("cached"):
+            assert mg.tuned_config(m, n, k) == cands[-1] and len(timed) == len(cands)
+        # an e5m2 product or a large M is another key: nothing stored for it, the default
+        with tuner.autotune_mode_scope("cached"):
+            assert mg.tuned_config(m, n, k, op_dtype=jnp.float8_e5m2) == cands[0]
+    finally:
+        tuner.reset()
 
 
 def _cpu():
@@ -370,10 +390,15 @@ COMPILE_CASES = {
     # the persistent grid (issue 37 item 2): Qwen3-8B's down_proj prefill on 132 CTAs
     "persistent_4096x4096x12288_bf16": (4096, 4096, 12288, "float8_e4m3fn", "bfloat16", 0,
                                         "m64n128k32.f32.e4m3.e4m3"),
+    # and two K blocks per step: the second block's wgmma runs while the first is promoted (wait_group 1)
+    "persistent_2blocks_4096x4096x12288_bf16": (4096, 4096, 12288, "float8_e4m3fn", "bfloat16", 0,
+                                                "m64n128k32.f32.e4m3.e4m3"),
 }
 #: configurations of the cases not compiled with the default one (``MosaicGemmConfig`` fields)
 CASE_CONFIGS = {"persistent_4096x4096x12288_bf16": {"tile_n": 128, "compute_wgs": 2, "stages": 5,
-                                                    "persistent_ctas": 132, "grid_tile_width": 8}}
+                                                    "persistent_ctas": 132, "grid_tile_width": 8},
+                "persistent_2blocks_4096x4096x12288_bf16": {"tile_n": 128, "compute_wgs": 2, "stages": 2,
+                                                            "persistent_ctas": 132, "blocks_per_step": 2}}
 
 _COMPILE_SCRIPT = textwrap.dedent("""
     import json, os, sys, time
@@ -444,6 +469,8 @@ def test_sm90a_ptx_uses_fp8_wgmma(sm90a_dumps, name):
         assert "cvt.rn.bf16x2.f32" in ptx and "cp.async.bulk.tensor" in ptx  # bf16 epilogue, TMA store
     if name in CASE_CONFIGS and CASE_CONFIGS[name].get("persistent_ctas"):
         assert ".entry fp8_blockwise_gemm_wgmma_persistent_" in ptx  # the persistent kernel was the one compiled
+    if CASE_CONFIGS.get(name, {}).get("blocks_per_step", 1) == 2:  # block 1's wgmma in flight while block 0 promotes
+        assert "wgmma.wait_group.sync.aligned \t1;" in ptx and "wgmma.wait_group.sync.aligned \t0;" in ptx
     if ptxas is not None:
         assert "0 bytes spill stores" in ptxas, ptxas
         print(name, [line.strip() for line in ptxas.splitlines() if "Used" in line or "spill" in line])

@@ -118,6 +118,12 @@ class MosaicGemmConfig:
         walk ``grid_tile_width`` M tiles of one column of N tiles before the next column, so the CTAs in flight
         share their weight tiles and ``grid_tile_width`` row blocks of the activations in L2 (at K = 12288 the
         whole M = 4096 activation is 48 MiB, near the 50 MiB L2 of an H100).
+      blocks_per_step: 128-wide K blocks per pipeline step (ring stage), 1 or 2. With 2 a compute warpgroup issues
+        both blocks' wgmmas into two accumulators, then promotes the first while the second runs on the tensor
+        cores (``wgmma_accumulator_load(wait_n=1)``), so its own promotion overlaps its own wgmma, not only the other
+        warpgroup's (DeepGEMM overlaps the same way); a stage holds both blocks (``stages`` counts stages: 2 stages
+        of 2 blocks keep 4 blocks in flight) and K is zero-padded to a multiple of 256 (exact zeros). Costs 64 more
+        accumulator registers per thread.
     """
 
     tile_n: int = 128
@@ -126,6 +132,7 @@ class MosaicGemmConfig:
     memory_registers: int = 40
     persistent_ctas: int = 0
     grid_tile_width: int = 8
+    blocks_per_step: int = 1
 
     @property
     def cta_m(self) -> int:
@@ -139,7 +146,7 @@ class MosaicGemmConfig:
         per_stage = (self.cta_m + self.tile_n) * block_size + 4 * self.cta_m
         if w_scales == "row":
             per_stage += 4 * self.tile_n
-        return self.stages * per_stage + self.cta_m * self.tile_n * jnp.dtype(out_dtype).itemsize
+        return self.stages * self.blocks_per_step * per_stage + self.cta_m * self.tile_n * jnp.dtype(out_dtype).itemsize
 
     def validate(self, out_dtype=jnp.float32, w_scales: str = "block"):
         """Raise ``ValueError`` for an unsupported configuration or one that does not fit Hopper's SMEM."""
@@ -151,6 +158,8 @@ class MosaicGemmConfig:
             raise ValueError(f"MosaicGemmConfig.stages must be >= 1, got {self.stages}")
         if self.persistent_ctas < 0:
             raise ValueError(f"MosaicGemmConfig.persistent_ctas must be >= 0, got {self.persistent_ctas}")
+        if self.blocks_per_step not in (1, 2):
+            raise ValueError(f"MosaicGemmConfig.blocks_per_step must be 1 or 2, got {self.blocks_per_step}")
         if self.grid_tile_width < 1:
             raise ValueError(f"MosaicGemmConfig.grid_tile_width must be >= 1, got {self.grid_tile_width}")
         need = self.smem_bytes(out_dtype, w_scales=w_scales) + SMEM_MARGIN_BYTES
@@ -165,13 +174,15 @@ SMEM_MARGIN_BYTES = 1024
 
 
 def fitted_config(tile_n: int = 128, compute_wgs: int = 2, out_dtype=jnp.float32, max_stages: int = 8,
-                  memory_registers: int = 40, w_scales: str = "block") -> MosaicGemmConfig:
+                  memory_registers: int = 40, w_scales: str = "block", blocks_per_step: int = 1) -> MosaicGemmConfig:
     """The configuration with the deepest TMA ring (at most ``max_stages``) that fits Hopper's shared memory.
 
     128x128 tiles: 4 stages with float32 output, 5 with bfloat16 (a 5-stage float32 ring needs 232528 B > 232448 B:
     refused by Mosaic GPU); the same with ``w_scales="row"`` (512 B more per stage). 64x64 tiles: ``max_stages``.
+    With ``blocks_per_step=2`` a stage holds two K blocks (half as many stages fit).
     """
-    cfg = MosaicGemmConfig(tile_n=tile_n, compute_wgs=compute_wgs, stages=1, memory_registers=memory_registers)
+    cfg = MosaicGemmConfig(tile_n=tile_n, compute_wgs=compute_wgs, stages=1, memory_registers=memory_registers,
+                           blocks_per_step=blocks_per_step)
     per_stage = cfg.smem_bytes(out_dtype, w_scales=w_scales) - cfg.cta_m * tile_n * jnp.dtype(out_dtype).itemsize
     fit = (HOPPER_SMEM_BYTES - SMEM_MARGIN_BYTES - cfg.cta_m * tile_n * jnp.dtype(out_dtype).itemsize) // per_stage
     return dataclasses.replace(cfg, stages=int(max(1, min(max_stages, fit))))
@@ -210,24 +221,30 @@ def default_config(m: int, out_dtype=jnp.float32, w_scales: str = "block", n: in
     return fitted_config(tile_n=128, compute_wgs=2, out_dtype=out_dtype, w_scales=w_scales)
 
 
-#: CTAs of the persistent candidates: one per SM of an H100 SXM / H200
+#: CTAs of the persistent candidates without a device to ask: one per SM of an H100 SXM / H200
 PERSISTENT_CTAS = H100_SMS
+#: the most rows a tuning run times on (larger M buckets share the choice made at this M: such a GEMM is many waves
+#: of tiles either way, and its operands at M = 65536 would be gigabytes beside the engine's own)
+MAX_TUNE_ROWS = 8192
 
 
-def candidate_configs(m: int, n: int, out_dtype=jnp.float32, w_scales: str = "block") -> list[MosaicGemmConfig]:
+def candidate_configs(m: int, n: int, out_dtype=jnp.float32, w_scales: str = "block",
+                      sms: int = PERSISTENT_CTAS) -> list[MosaicGemmConfig]:
     """The configurations the on-device tuner times for a dense product of ``M`` rows and ``N`` columns (issue 37
     items 2 and 3), :func:`default_config`'s first (the reference and the fallback): the 128 x 128 tiles (two
     compute warpgroups) and the 64 x 64 tiles (one) on their deepest ring, and the 128 x 128 tiles on the
-    persistent grid (:data:`PERSISTENT_CTAS` CTAs, :attr:`MosaicGemmConfig.persistent_ctas`) in snake bands of 8
-    and 16 M tiles. Only valid, distinct configurations. Chosen without a GPU from the prefill GEMM's design space
+    persistent grid (``sms`` CTAs, one per SM, :attr:`MosaicGemmConfig.persistent_ctas`) in snake bands of 8
+    and 16 M tiles, and on the persistent grid with two K blocks per step (:attr:`MosaicGemmConfig.blocks_per_step`). Only valid, distinct configurations. Chosen without a GPU from the prefill GEMM's design space
     (tile, persistence, rasterization: the choices CUTLASS sm90 and DeepGEMM make per shape); which wins is the
     device's to say."""
     base = default_config(m, out_dtype, w_scales, n=n)
     big = fitted_config(tile_n=128, compute_wgs=2, out_dtype=out_dtype, w_scales=w_scales)
     small = fitted_config(tile_n=64, compute_wgs=1, out_dtype=out_dtype, w_scales=w_scales)
     out = []
-    for cfg in (base, big, small, dataclasses.replace(big, persistent_ctas=PERSISTENT_CTAS, grid_tile_width=8),
-                dataclasses.replace(big, persistent_ctas=PERSISTENT_CTAS, grid_tile_width=16)):
+    pair = fitted_config(tile_n=128, compute_wgs=2, out_dtype=out_dtype, w_scales=w_scales, blocks_per_step=2)
+    for cfg in (base, big, small, dataclasses.replace(big, persistent_ctas=sms, grid_tile_width=8),
+                dataclasses.replace(big, persistent_ctas=sms, grid_tile_width=16),
+                dataclasses.replace(pair, persistent_ctas=sms, grid_tile_width=8)):
         if cfg not in out:
             cfg.validate(out_dtype, w_scales)
             out.append(cfg)
@@ -239,40 +256,54 @@ def config_name(cfg: MosaicGemmConfig) -> str:
     name = f"wgmma({cfg.cta_m}x{cfg.tile_n},stages={cfg.stages}"
     if cfg.memory_registers != 40:
         name += f",memory_registers={cfg.memory_registers}"
+    if cfg.blocks_per_step != 1:
+        name += f",blocks={cfg.blocks_per_step}"
     if cfg.persistent_ctas:
         name += f",persistent={cfg.persistent_ctas},width={cfg.grid_tile_width}"
     return name + ")"
 
 
-def tuned_config(m: int, n: int, k: int, out_dtype=jnp.float32, w_scales: str = "block") -> MosaicGemmConfig:
+def tuned_config(m: int, n: int, k: int, out_dtype=jnp.float32, w_scales: str = "block",
+                 op_dtype=jnp.float8_e4m3fn) -> MosaicGemmConfig:
     """The configuration of a dense :func:`mosaic_w8a8_matmul` in this process: on a CUDA device, the fastest of
-    :func:`candidate_configs` as timed by :func:`fp8rl_jax.kernels.tuner.select` (op ``"w8a8_gemm"``, key ``N``,
-    ``K``, the M bucket :func:`fp8rl_jax.kernels.tuner.m_bucket`, the output dtype and ``w_scales``; timed on
-    operands of the bucket's M rows; ``FP8RL_AUTOTUNE`` / ``train.autotune`` decide whether it times, reads the
-    shipped and cached tables, or keeps the default); elsewhere (no GPU, a deviceless compile) :func:`default_config`'s.
+    :func:`candidate_configs` (persistent grids of one CTA per SM of that device) as timed by
+    :func:`fp8rl_jax.kernels.tuner.select` (op ``"w8a8_gemm"``, key ``N``, ``K``, the M bucket
+    :func:`fp8rl_jax.kernels.tuner.m_bucket` up to :data:`MAX_TUNE_ROWS` (``"M>"`` beyond), the operand and output
+    dtypes and ``w_scales``; timed on operands of the bucket's rows; each candidate's output must match the
+    default's to 1e-3 relative (Frobenius): configurations differ only in float32 rounding order, so a tile lost
+    or stored from the wrong buffer excludes it; ``FP8RL_AUTOTUNE`` / ``train.autotune`` decide whether it times,
+    reads the shipped and cached tables, or keeps the default); elsewhere (no GPU, a deviceless compile)
+    :func:`default_config`'s.
     """
-    from fp8rl_jax.kernels import tuner
+    from fp8rl_jax.kernels import registry, tuner
 
-    out_dtype = jnp.dtype(out_dtype)
-    cands = candidate_configs(m, n, out_dtype, w_scales)
-    mb = tuner.m_bucket(m)
+    out_dtype, op_dtype = jnp.dtype(out_dtype), jnp.dtype(op_dtype)
+    dev = registry.cuda_device()
+    sms = int(getattr(dev, "core_count", 0) or PERSISTENT_CTAS) if dev is not None else PERSISTENT_CTAS
+    cands = candidate_configs(m, n, out_dtype, w_scales, sms=sms)
+    if m > MAX_TUNE_ROWS:
+        rows, bucket = MAX_TUNE_ROWS, {"M>": MAX_TUNE_ROWS}
+    else:
+        rows = tuner.m_bucket(m)
+        bucket = {"M<=": rows}
 
     def make_args():
         rng = np.random.default_rng(0)
         kb = -(-k // BLOCK_SIZE)
         ws_rows = n if w_scales == "row" else -(-n // BLOCK_SIZE)
-        return (jnp.asarray(rng.standard_normal((mb, k)), jnp.float8_e4m3fn),
-                jnp.asarray(rng.uniform(0.5, 2, (mb, kb)), jnp.float32),
-                jnp.asarray(rng.standard_normal((n, k)), jnp.float8_e4m3fn),
+        return (jnp.asarray(rng.standard_normal((rows, k)), op_dtype),
+                jnp.asarray(rng.uniform(0.5, 2, (rows, kb)), jnp.float32),
+                jnp.asarray(rng.standard_normal((n, k)), op_dtype),
                 jnp.asarray(rng.uniform(0.5, 2, (ws_rows, kb)), jnp.float32))
 
     def runner(cfg):
         return lambda xq, xs, wq, ws: mosaic_w8a8_matmul(xq, xs, wq, ws, out_dtype=out_dtype, config=cfg,
                                                          w_scales=w_scales)
 
-    chosen = tuner.select("w8a8_gemm", {"N": n, "K": k, "M<=": mb, "out": out_dtype.name, "w_scales": w_scales},
+    chosen = tuner.select("w8a8_gemm", {"N": n, "K": k, **bucket, "dtype": op_dtype.name, "out": out_dtype.name,
+                                        "w_scales": w_scales},
                           [tuner.Candidate(config_name(c), c, runner(c), family="w8a8_gemm") for c in cands],
-                          make_args)
+                          make_args, tolerance=1e-3)
     return chosen.config
 
 
@@ -397,7 +428,9 @@ def _build(mp: int, np_: int, kb: int, bk: int, op_dtype, out_dtype, cfg: Mosaic
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    tn, nwg, cta_m = cfg.tile_n, cfg.compute_wgs, cfg.cta_m
+    tn, nwg, cta_m, bps = cfg.tile_n, cfg.compute_wgs, cfg.cta_m, cfg.blocks_per_step
+    if kb % bps:
+        raise ValueError(f"_build: {kb} K blocks do not divide into steps of {bps}")
     tiles_per_scale = BLOCK_SIZE // tn
     op_tr = _swizzled(plgpu, bk, op_dtype)
     out_tr = _swizzled(plgpu, tn, out_dtype)
@@ -406,55 +439,70 @@ def _build(mp: int, np_: int, kb: int, bk: int, op_dtype, out_dtype, cfg: Mosaic
     if interpret is None:
         as_layout = plgpu.layout_cast
 
-        def row_scales(xs_s, wg):  # [64] activation scales of this warpgroup's rows, one per accumulator row
-            return plgpu.load(xs_s.at[0, pl.ds(wg * WG_ROWS, WG_ROWS)], (), layout=plgpu.Layout.WGMMA.reduce(1))
+        def row_scales(xs_s, wg, j=0):  # [64] activation scales of this warpgroup's rows (K block j of the step)
+            return plgpu.load(xs_s.at[j, pl.ds(wg * WG_ROWS, WG_ROWS)], (), layout=plgpu.Layout.WGMMA.reduce(1))
 
-        def col_scales(ws_s):  # [tn] weight row scales, one per accumulator column
-            return plgpu.load(ws_s.at[0], (), layout=plgpu.Layout.WGMMA.reduce(0))
+        def col_scales(ws_s, j=0):  # [tn] weight row scales, one per accumulator column
+            return plgpu.load(ws_s.at[j], (), layout=plgpu.Layout.WGMMA.reduce(0))
+
+        def acc_load(p_ref, wait_n):  # the wgmma result once at most wait_n wgmma groups are still in flight
+            return plgpu.wgmma_accumulator_load(p_ref, wait_n=wait_n)
     else:  # the interpreter has no layouts (and no plgpu.load)
         def as_layout(x, layout):
             del layout
             return x
 
-        def row_scales(xs_s, wg):
-            return lax.dynamic_slice_in_dim(xs_s[0, :], wg * WG_ROWS, WG_ROWS)
+        def row_scales(xs_s, wg, j=0):
+            return lax.dynamic_slice_in_dim(xs_s[j, :], wg * WG_ROWS, WG_ROWS)
 
-        def col_scales(ws_s):
-            return ws_s[0, :]
+        def col_scales(ws_s, j=0):
+            return ws_s[j, :]
+
+        def acc_load(p_ref, wait_n):  # the interpreter's wgmma is synchronous
+            del wait_n
+            return p_ref[...]
 
     def make_step(ws_ref, nb, wg):
         def step(idx, x_s, w_s, xs_s, *scale_and_acc):
             (k,) = idx
             *ws_s, acc = scale_and_acc
-            # the K block's scales are read before its wgmma is issued, so that their loads (the weight scale from
+            # each K block's scales are read before its wgmma is issued, so that their loads (the weight scale from
             # global memory: an L2 round trip) overlap the tensor cores' work instead of following wgmma_wait
-            if row_mode:  # 1D1D: s[m, n] = xs[m] * ws[n]
-                s = (lax.broadcast_in_dim(row_scales(xs_s, wg), (WG_ROWS, tn), (0,))
-                     * lax.broadcast_in_dim(col_scales(ws_s[0]), (WG_ROWS, tn), (1,)))
-            else:  # 1D2D: one weight-block scale per K block
-                s = lax.broadcast_in_dim(row_scales(xs_s, wg) * ws_ref[nb, k], (WG_ROWS, tn), (0,))
+            scales = []
+            for j in range(bps):
+                if row_mode:  # 1D1D: s[m, n] = xs[m] * ws[n]
+                    scales.append(lax.broadcast_in_dim(row_scales(xs_s, wg, j), (WG_ROWS, tn), (0,))
+                                  * lax.broadcast_in_dim(col_scales(ws_s[0], j), (WG_ROWS, tn), (1,)))
+                else:  # 1D2D: one weight-block scale per K block
+                    scales.append(lax.broadcast_in_dim(row_scales(xs_s, wg, j) * ws_ref[nb, k * bps + j],
+                                                       (WG_ROWS, tn), (0,)))
 
-            def mma(p_ref):
-                plgpu.wgmma(p_ref, x_s.at[pl.ds(wg * WG_ROWS, WG_ROWS)], plgpu.transpose_ref(w_s, (1, 0)))
-                return p_ref[...]
+            def mma(*p_refs):  # one fresh accumulator per K block: each block's partial is promoted alone
+                for j, p_ref in enumerate(p_refs):
+                    cols = pl.ds(j * bk, bk)
+                    plgpu.wgmma(p_ref, x_s.at[pl.ds(wg * WG_ROWS, WG_ROWS), cols],
+                                plgpu.transpose_ref(w_s.at[:, cols], (1, 0)))
+                out = acc
+                for j, p_ref in enumerate(p_refs):  # block j's product while the later blocks' wgmmas run
+                    out = out + acc_load(p_ref, bps - 1 - j) * scales[j]
+                return out
 
-            p = pl.run_scoped(mma, plgpu.ACC((WG_ROWS, tn), jnp.float32))
-            return acc + p * s
+            return pl.run_scoped(mma, *[plgpu.ACC((WG_ROWS, tn), jnp.float32) for _ in range(bps)])
 
         return step
 
     def pipeline(step, mi, ni, epilogue):
         """The warp-specialized K loop of the output tile ``(mi, ni)``."""
         in_specs = [
-            plgpu.BlockSpec((cta_m, bk), lambda k: (mi, k), transforms=op_tr),
-            plgpu.BlockSpec((tn, bk), lambda k: (ni, k), transforms=op_tr),
-            plgpu.BlockSpec((1, cta_m), lambda k: (k, mi)),
+            plgpu.BlockSpec((cta_m, bps * bk), lambda k: (mi, k), transforms=op_tr),
+            plgpu.BlockSpec((tn, bps * bk), lambda k: (ni, k), transforms=op_tr),
+            plgpu.BlockSpec((bps, cta_m), lambda k: (k, mi)),
         ]
         if row_mode:  # the K block's [tn] weight scales stream through TMA beside the activation scales
-            in_specs.append(plgpu.BlockSpec((1, tn), lambda k: (k, ni)))
+            in_specs.append(plgpu.BlockSpec((bps, tn), lambda k: (k, ni)))
         return plgpu.emit_pipeline_warp_specialized(
             step,
-            grid=(kb,),
+            grid=(kb // bps,),
             memory_registers=cfg.memory_registers,
             in_specs=in_specs,
             wg_axis="wg",
@@ -546,12 +594,18 @@ def _pad_to(a, shape):
     return jnp.pad(a, pads) if any(p for _, p in pads) else a
 
 
-def _kernel_w_scales(ws, np_: int, w_scales: str):
-    """The weight scales as the kernel reads them: block scales as they are; row scales ``[..., N, KB]`` padded to
-    ``np_`` rows and transposed to ``[..., KB, np_]`` (each K block's scale row one contiguous TMA box)."""
+def _steps_of(kb: int, cfg: MosaicGemmConfig) -> int:
+    """``kb`` K blocks rounded up to whole pipeline steps of ``cfg.blocks_per_step`` blocks."""
+    return -(-kb // cfg.blocks_per_step) * cfg.blocks_per_step
+
+
+def _kernel_w_scales(ws, np_: int, w_scales: str, kb: int):
+    """The weight scales as the kernel reads them: block scales ``[..., NB, KB]`` zero-padded to ``kb`` K blocks;
+    row scales ``[..., N, KB]`` padded to ``np_`` rows and ``kb`` blocks and transposed to ``[..., kb, np_]`` (each K
+    block's scale row one contiguous TMA box)."""
     if w_scales == "block":
-        return ws
-    ws = _pad_to(ws, ws.shape[:-2] + (np_, ws.shape[-1]))
+        return _pad_to(ws, ws.shape[:-1] + (kb,))
+    ws = _pad_to(ws, ws.shape[:-2] + (np_, kb))
     return jnp.swapaxes(ws, -1, -2)
 
 
@@ -559,7 +613,7 @@ def _kernel_w_scales(ws, np_: int, w_scales: str):
 def _dense(xq, xs, wq, ws, *, out_dtype, cfg, interpret, w_scales):
     m, k = xq.shape
     n = wq.shape[0]
-    kb = xs.shape[1]
+    kb = _steps_of(xs.shape[1], cfg)  # zero K blocks up to whole steps
     kp = kb * BLOCK_SIZE
     mp = -(-m // cfg.cta_m) * cfg.cta_m
     np_ = -(-n // cfg.tile_n) * cfg.tile_n
@@ -568,7 +622,7 @@ def _dense(xq, xs, wq, ws, *, out_dtype, cfg, interpret, w_scales):
     xs_t = _pad_to(xs.T, (kb, mp))
     call = _build(mp, np_, kb, BLOCK_SIZE, xq.dtype, out_dtype, cfg, _interpret_params(interpret),
                   w_scales=w_scales)
-    y = call(xq, xs_t, wq, _kernel_w_scales(ws, np_, w_scales))
+    y = call(xq, xs_t, wq, _kernel_w_scales(ws, np_, w_scales, kb))
     return y[:m, :n] if (mp, np_) != (m, n) else y
 
 
@@ -669,7 +723,7 @@ def mosaic_w8a8_matmul(xq: jax.Array, xs: jax.Array, wq: jax.Array, ws: jax.Arra
     if config is not None:
         cfg = config
     elif interpret is False and m:
-        cfg = tuned_config(m, n, xq.shape[1], out_dtype, w_scales)
+        cfg = tuned_config(m, n, xq.shape[1], out_dtype, w_scales, xq.dtype)
     else:
         cfg = default_config(m, out_dtype, w_scales, n=n)
     cfg.validate(out_dtype, w_scales)
@@ -685,14 +739,14 @@ def mosaic_w8a8_matmul(xq: jax.Array, xs: jax.Array, wq: jax.Array, ws: jax.Arra
 def _grouped(xq, xs, wq, ws, tile_group, *, tile_rows, out_dtype, cfg, interpret, w_scales):
     t, k = xq.shape
     _, n, _ = wq.shape
-    kb = xs.shape[1]
+    kb = _steps_of(xs.shape[1], cfg)  # zero K blocks up to whole steps
     kp = kb * BLOCK_SIZE
     np_ = -(-n // cfg.tile_n) * cfg.tile_n
     xq = _pad_to(xq, (t, kp))
     wq = _pad_to(wq, (wq.shape[0], np_, kp))
     call = _build(t, np_, kb, BLOCK_SIZE, xq.dtype, out_dtype, cfg, _interpret_params(interpret),
                   tile_rows=tile_rows, w_scales=w_scales)
-    y = call(xq, xs.T, wq, _kernel_w_scales(ws, np_, w_scales), tile_group.astype(jnp.int32))
+    y = call(xq, _pad_to(xs.T, (kb, t)), wq, _kernel_w_scales(ws, np_, w_scales, kb), tile_group.astype(jnp.int32))
     return y[:, :n] if np_ != n else y
 
 
@@ -917,7 +971,8 @@ def main(argv=None) -> None:
             aq, s = pallas_quantize_activation_groupwise(a, interpret=args.smoke, check=False)
             return mosaic_w8a8_matmul(aq, s, q, t, out_dtype=jnp.bfloat16, interpret=args.smoke)
 
-        config = config_name(tuned_config(m, n, k, jnp.bfloat16) if not args.smoke else default_config(m, n=n))
+        config = config_name(tuned_config(m, n, k, jnp.bfloat16) if not args.smoke
+                             else default_config(m, jnp.bfloat16, n=n))
         flop = 2.0 * m * n * k
         bf16_us = per_call_us(lambda a, b: jnp.dot(a, b.T, preferred_element_type=jnp.float32).astype(jnp.bfloat16),
                               (x, w), iters)
