@@ -2,8 +2,8 @@
 
 Runs :func:`fp8rl_jax.kernels.mosaic_gemm.tuned_config` with ``FP8RL_AUTOTUNE=on`` for the Qwen3-8B prefill shapes
 at M = 4096 (bf16 output, 128x128 weight blocks): per shape the candidates of
-:func:`fp8rl_jax.kernels.mosaic_gemm.candidate_configs` (the 128 x 128 and 64 x 64 tiles, and the persistent grid
-of 132 CTAs in snake bands of 8 and 16 M tiles) are compiled, checked against the default's output and timed. The
+:func:`fp8rl_jax.kernels.mosaic_gemm.candidate_configs` (the 128 x 128 and 64 x 64 tiles, the persistent grid of
+one CTA per SM in snake bands of 8 and 16 M tiles, and that grid with two K blocks per step) are compiled, checked against the default's output and timed. The
 user cache goes to ``$OUT/autotuning`` (``FP8RL_AUTOTUNE_CACHE``; 30_prefill_gemm_main.sh reads it), the tuner's
 report is printed and one JSON line per shape recorded (its ``timings_us`` are the persistent-vs-not A/B). After the
 run, copy ``$OUT/autotuning/<device_kind>/<jax>/w8a8_gemm.json`` to
