@@ -166,7 +166,7 @@ def decode_kernel_record(name: str, n: int, k: int, m: int, ptx: str, ptxas_repo
 
 
 def prefill_kernel_record(name: str, n: int, k: int, m: int, ptx: str, ptxas_report: str, cfg,
-                          projection: str = "") -> dict:
+                          projection: str = "", w_scales: str = "block") -> dict:
     """The roofline record of one compiled prefill GEMM (:func:`fp8rl_jax.kernels.mosaic_gemm.mosaic_w8a8_matmul`).
 
     Args:
@@ -176,15 +176,18 @@ def prefill_kernel_record(name: str, n: int, k: int, m: int, ptx: str, ptxas_rep
         ``ptxas -v`` text ("" if none).
       cfg: the :class:`~fp8rl_jax.kernels.mosaic_gemm.MosaicGemmConfig` it was compiled with.
       projection: words for the shape.
+      w_scales: the weight-scale layout it was compiled for (``"row"`` streams a ``[tile_n]`` scale row per K block).
 
     Returns:
       the fields of :func:`decode_kernel_record` (``kernel`` = the compiled kernel's name, ``"gemm": "prefill"``):
       ``grid`` (the CTA grid;
       ``[CTAs]`` for a persistent one), ``wave_efficiency`` (output tiles / (waves x 132 SMs), one CTA per SM: the
-      ring fills the shared memory; a persistent grid of ``C`` CTAs runs ``ceil(tiles / C)`` waves), ``bytes_in_flight_per_sm`` (the TMA ring: ``stages x ((cta_m + tile_n) x 128
-      + scales)``), ``loop_instructions`` (per thread and K step, from the PTX), ``loop_instructions_per_weight_byte``
-      (as the decode record: x warps / the ``tile_n x 128`` weight bytes of the step), and ``issue_per_mma_cycles``
-      (the module docstring), ``tiles``, registers and spills.
+      ring fills the shared memory; a persistent grid of ``C`` CTAs runs ``ceil(tiles / C)`` waves),
+      ``bytes_in_flight_per_sm`` (the TMA ring: ``stages x blocks_per_step x ((cta_m + tile_n) x 128 + scales)``),
+      ``loop_instructions`` (per thread and loop iteration, from the PTX: one pipeline step of ``blocks_per_step`` K
+      blocks), ``loop_instructions_per_weight_byte`` (as the decode record: x warps / the ``tile_n x 128 x
+      blocks_per_step`` weight bytes of the step), and ``issue_per_mma_cycles`` (the module docstring; the step's
+      wgmmas), ``tiles``, registers and spills.
 
     Raises:
       ValueError: the PTX has no wgmma loop.
@@ -202,15 +205,16 @@ def prefill_kernel_record(name: str, n: int, k: int, m: int, ptx: str, ptxas_rep
     infos = parse_ptxas_info(ptxas_report)
     info = infos.get(f"{kernel}_mosaic_gpu_kernel") or infos.get(loop.entry)
     regs = info["registers"] if info and info["registers"] >= 0 else None
+    bps = cfg.blocks_per_step  # K blocks per loop iteration
     warp_instr = loop.instructions * WARPS_PER_WARPGROUP * wgs
-    mma_cycles = 2 * cta_m * tn * K_BLOCK / FP8_MMA_FLOP_PER_CYCLE_PER_SM
-    stage = (cta_m + tn) * K_BLOCK + 4 * cta_m
+    mma_cycles = 2 * cta_m * tn * K_BLOCK * bps / FP8_MMA_FLOP_PER_CYCLE_PER_SM
+    stage = bps * ((cta_m + tn) * K_BLOCK + 4 * cta_m + (4 * tn if w_scales == "row" else 0))
     return {"name": name, "kernel": kernel, "gemm": "prefill",
             "shape": {"projection": projection, "n": n, "k": k}, "m": m, "config": dataclasses.asdict(cfg),
             "grid": grid, "tiles": tiles, "wave_efficiency": round(wave_eff, 4),
             "bytes_in_flight_per_sm": cfg.stages * stage,
-            "loop_instructions_per_weight_byte": round(loop_instructions_per_weight_byte(loop.instructions, wgs, tn),
-                                                       5),
+            "loop_instructions_per_weight_byte": round(
+                loop_instructions_per_weight_byte(loop.instructions, wgs, tn, K_BLOCK * bps), 5),
             "loop_instructions": loop.instructions, "wgmma": forms,
             "issue_per_mma_cycles": round(warp_instr / ISSUE_SLOTS_PER_CYCLE / mma_cycles, 4),
             "registers": regs,
@@ -325,12 +329,12 @@ def markdown_table(records: Sequence[dict]) -> list[str]:
 
 def prefill_markdown_table(records: Sequence[dict]) -> list[str]:
     """Prefill GEMM records (:func:`prefill_kernel_record`) as a Markdown table (lines), a spill in bold."""
-    lines = ["| kernel | N x K | M | config (CTA tile, stages, persistent CTAs) | grid (tiles) | wave eff. | "
-             "KiB in flight / SM | loop instr. / K step (PTX) | issue / MMA cycles | registers | spill B | wgmma |",
+    lines = ["| kernel | N x K | M | config (CTA tile, stages x K blocks, persistent CTAs) | grid (tiles) | wave eff. | "
+             "KiB in flight / SM | loop instr. / step (PTX) | issue / MMA cycles | registers | spill B | wgmma |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in records:
         sh, c = r.get("shape") or {}, r.get("config") or {}
-        cfg = (f"{64 * c.get('compute_wgs', 0)}x{c.get('tile_n')}, {c.get('stages')}, "
+        cfg = (f"{64 * c.get('compute_wgs', 0)}x{c.get('tile_n')}, {c.get('stages')}x{c.get('blocks_per_step', 1)}, "
                f"{c.get('persistent_ctas') or '-'}") if c else ""
         grid = "x".join(str(g) for g in r.get("grid") or []) + f" ({r.get('tiles')})"
         kib = r.get("bytes_in_flight_per_sm")

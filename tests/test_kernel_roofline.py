@@ -204,6 +204,12 @@ def test_prefill_kernel_record_reads_the_ptx_and_compares_issue_with_the_tensor_
     pers = kr.prefill_kernel_record("p", 6144, 4096, 4096, PTX, "", dataclasses.replace(cfg, persistent_ctas=132))
     assert pers["grid"] == [132] and pers["kernel"] == "fp8_blockwise_gemm_wgmma_persistent"
     assert pers["wave_efficiency"] == rec["wave_efficiency"] and pers["spills"] is None
+    # two K blocks per loop iteration (and row scales): the step's bytes, weight bytes and MMA cycles double
+    two = kr.prefill_kernel_record("p", 6144, 4096, 4096, PTX, "", dataclasses.replace(cfg, stages=2, blocks_per_step=2),
+                                   w_scales="row")
+    assert two["bytes_in_flight_per_sm"] == 2 * 2 * (256 * 128 + 512 + 512)
+    assert two["issue_per_mma_cycles"] == round(34 / 1024, 4)
+    assert two["loop_instructions_per_weight_byte"] == round(17 * 8 / (128 * 256), 5)
 
 
 GOOD = {"name": "decode_gemm_8b_qkv_m1", "wave_efficiency": 0.97, "bytes_in_flight_per_sm": 221952,
@@ -260,7 +266,7 @@ def test_compile_h100_writes_the_kernels_list_and_table(tmp_path):
     md = open(mpath).read()
     assert "## FP8 decode GEMM kernels" in md and "## FP8 prefill GEMM kernels" in md
     row = next(x for x in md.splitlines() if x.startswith("| prefill_gemm_8b_qkv_m4096 | Qwen3-8B"))
-    assert "| 128x128, 5, - | 32x48 (1536) | 0.9697 | 162.5 | 192 | 0.75 | 168 | 0 |" in row
+    assert "| 128x128, 5x1, - | 32x48 (1536) | 0.9697 | 162.5 | 192 | 0.75 | 168 | 0 |" in row
     decode_table = md.split("## FP8 prefill GEMM kernels")[0]
     assert "prefill_gemm_8b_qkv_m4096 | Qwen3" not in decode_table
     row = next(x for x in md.splitlines() if x.startswith("| decode_gemm_8b_o_proj_m1 | Qwen3-8B"))

@@ -210,16 +210,18 @@ def test_interpret_batched_row_and_block_scales():
 
 @pytest.mark.parametrize("m,n,k,w_scales,out_dtype,blocks", [(300, 200, 700, "block", jnp.float32, 1),
                                                               (200, 390, 900, "row", jnp.bfloat16, 1),
-                                                              (300, 200, 700, "block", jnp.bfloat16, 2)])
+                                                              (300, 200, 520, "block", jnp.bfloat16, 2),
+                                                              (200, 200, 300, "row", jnp.float32, 2)])
 def test_interpret_persistent_grid_matches_float64_reference(m, n, k, w_scales, out_dtype, blocks):
     """The persistent grid (issue 37 item 2: :attr:`MosaicGemmConfig.persistent_ctas`): 5 CTAs loop over the
     3 x 2 or 2 x 4 output tiles of a ragged, non-square product in snake bands of 2 M tiles, so CTAs take one or two
     tiles each and a band ends inside a column; the TMA ring (4 or 5 stages) is reused across tiles at K block counts
     (6, 8) that are not multiples of it, as at the real shapes (32 or 96 blocks in 5 stages). Every tile must hold
     the float64 formula (a tile skipped, placed at the wrong (m, n), or reading a stale ring slot misses by orders
-    of magnitude), and the first case must equal the one-tile-per-CTA kernel bit for bit (same per-tile arithmetic).
-    ``blocks=2``: two K blocks per pipeline step (:attr:`MosaicGemmConfig.blocks_per_step`), each promoted with its
-    own scales; K's 6 blocks in 3 steps. Not checkable here: the order of a tile's TMA store against the next
+    of magnitude), and the block-scale cases must equal the one-tile-per-CTA, one-block-per-step kernel bit for bit
+    (same per-tile arithmetic). ``blocks=2``: two K blocks per pipeline step
+    (:attr:`MosaicGemmConfig.blocks_per_step`), each promoted with its own scales; K's 5 or 3 blocks zero-padded to
+    whole steps (3 of 2 blocks, 2 of 2), with block and row scales. Not checkable here: the order of a tile's TMA store against the next
     tile's rewrite of the output buffer (the interpreter copies synchronously; the GPU self-test and the tuner's
     output comparison cover it on a device)."""
     import dataclasses
@@ -236,8 +238,9 @@ def test_interpret_persistent_grid_matches_float64_reference(m, n, k, w_scales, 
     print(f"persistent {m}x{n}x{k} {w_scales} {np.dtype(out_dtype)} blocks={blocks}, {cfg.stages} stages: "
           f"max |err| / bound = {r:.3g}")
     assert y.shape == (m, n) and r <= 1.0
-    if blocks == 1 and w_scales == "block":
-        np.testing.assert_array_equal(y, _run(xq, xs, wq, ws, config=base, out_dtype=out_dtype))
+    if w_scales == "block":
+        plain = fitted_config(out_dtype=out_dtype)
+        np.testing.assert_array_equal(y, _run(xq, xs, wq, ws, config=plain, out_dtype=out_dtype))
 
 
 def test_prefill_tuner_candidates_and_choice(monkeypatch, tmp_path):
@@ -264,7 +267,7 @@ def test_prefill_tuner_candidates_and_choice(monkeypatch, tmp_path):
     class FakeGPU:
         device_kind = "NVIDIA H100 80GB HBM3"
         platform = "gpu"
-        core_count = 132
+        core_count = 114  # an H100 PCIe: the persistent candidates take one CTA per SM of the device
 
     monkeypatch.setattr(registry, "cuda_device", lambda: FakeGPU())
     monkeypatch.setattr(registry, "use_kernel", lambda family: True)  # the family's self-test: its own test
@@ -281,7 +284,9 @@ def test_prefill_tuner_candidates_and_choice(monkeypatch, tmp_path):
     tuner.reset()
     with tuner.autotune_mode_scope("on"):
         got = mg.tuned_config(m, n, k)
-    assert len(timed) == len(cands) and got == cands[-1], (got, tuner.report())
+    assert got.persistent_ctas == 114 and len(timed) == len(cands), (got, tuner.report())
+    cands = mg.candidate_configs(m, n, sms=114)
+    assert got == cands[-1]
     assert any(r["op"] == "w8a8_gemm" and r["choice"] == mg.config_name(cands[-1]) for r in tuner.report())
     stored = list(tmp_path.rglob("w8a8_gemm.json"))
     assert len(stored) == 1 and mg.config_name(cands[-1]) in stored[0].read_text()
@@ -290,8 +295,13 @@ def test_prefill_tuner_candidates_and_choice(monkeypatch, tmp_path):
         with tuner.autotune_mode_scope("cached"):
             assert mg.tuned_config(m, n, k) == cands[-1] and len(timed) == len(cands)
         # an e5m2 product or a large M is another key: nothing stored for it, the default
+        keys = []
+        monkeypatch.setattr(tuner, "select", lambda op, key, c, *a, **kw: keys.append(key) or select(op, key, c, *a,
+                                                                                                     **kw))
         with tuner.autotune_mode_scope("cached"):
             assert mg.tuned_config(m, n, k, op_dtype=jnp.float8_e5m2) == cands[0]
+            assert mg.tuned_config(20000, n, k) == default_config(20000, n=n)
+        assert keys[0]["dtype"] == "float8_e5m2" and keys[1]["M>"] == mg.MAX_TUNE_ROWS and "M<=" not in keys[1]
     finally:
         tuner.reset()
 
@@ -393,12 +403,16 @@ COMPILE_CASES = {
     # and two K blocks per step: the second block's wgmma runs while the first is promoted (wait_group 1)
     "persistent_2blocks_4096x4096x12288_bf16": (4096, 4096, 12288, "float8_e4m3fn", "bfloat16", 0,
                                                 "m64n128k32.f32.e4m3.e4m3"),
+    "row_2blocks_4096x4096x4096_f32": (4096, 4096, 4096, "float8_e4m3fn", "float32", 0, "m64n128k32.f32.e4m3.e4m3"),
 }
 #: configurations of the cases not compiled with the default one (``MosaicGemmConfig`` fields)
 CASE_CONFIGS = {"persistent_4096x4096x12288_bf16": {"tile_n": 128, "compute_wgs": 2, "stages": 5,
                                                     "persistent_ctas": 132, "grid_tile_width": 8},
                 "persistent_2blocks_4096x4096x12288_bf16": {"tile_n": 128, "compute_wgs": 2, "stages": 2,
-                                                            "persistent_ctas": 132, "blocks_per_step": 2}}
+                                                            "persistent_ctas": 132, "blocks_per_step": 2},
+                # FP8 training's weight gradient: 1x128 row scales of B ("w_scales" is the call's, not a field)
+                "row_2blocks_4096x4096x4096_f32": {"tile_n": 128, "compute_wgs": 2, "stages": 2,
+                                                   "blocks_per_step": 2, "w_scales": "row"}}
 
 _COMPILE_SCRIPT = textwrap.dedent("""
     import json, os, sys, time
@@ -425,9 +439,12 @@ _COMPILE_SCRIPT = textwrap.dedent("""
             args = (sds((m, k), op), sds((m, kb), "float32"), sds((experts, n, k), op),
                     sds((experts, nb, kb), "float32"), sds((m // tile_rows,), "int32"))
         else:
-            cfg = MosaicGemmConfig(**configs[name]) if name in configs else None
-            f = lambda a, b, c, e: mosaic_w8a8_matmul(a, b, c, e, out_dtype=out, config=cfg)
-            args = (sds((m, k), op), sds((m, kb), "float32"), sds((n, k), op), sds((nb, kb), "float32"))
+            fields = dict(configs.get(name, {}))
+            ws_mode = fields.pop("w_scales", "block")
+            cfg = MosaicGemmConfig(**fields) if fields else None
+            f = lambda a, b, c, e: mosaic_w8a8_matmul(a, b, c, e, out_dtype=out, config=cfg, w_scales=ws_mode)
+            args = (sds((m, k), op), sds((m, kb), "float32"), sds((n, k), op),
+                    sds((n if ws_mode == "row" else nb, kb), "float32"))
         t = time.perf_counter()
         jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).compile()
         print(f"compiled {name} in {time.perf_counter() - t:.1f} s", flush=True)

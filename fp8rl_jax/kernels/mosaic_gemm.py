@@ -466,16 +466,18 @@ def _build(mp: int, np_: int, kb: int, bk: int, op_dtype, out_dtype, cfg: Mosaic
         def step(idx, x_s, w_s, xs_s, *scale_and_acc):
             (k,) = idx
             *ws_s, acc = scale_and_acc
-            # each K block's scales are read before its wgmma is issued, so that their loads (the weight scale from
-            # global memory: an L2 round trip) overlap the tensor cores' work instead of following wgmma_wait
-            scales = []
-            for j in range(bps):
+            # each K block's row scales (and its weight-block scale, from global memory: an L2 round trip) are read
+            # before its wgmma is issued, so that their loads overlap the tensor cores' work instead of following
+            # wgmma_wait. Row mode's [tn] weight scales (shared memory, a short wait) are read where used: with
+            # two blocks, two of them live beside three accumulators spilled (sm_90a, 392 B); so are the broadcasts
+            rows = [row_scales(xs_s, wg, j) if row_mode else row_scales(xs_s, wg, j) * ws_ref[nb, k * bps + j]
+                    for j in range(bps)]
+
+            def scaled(p, j):  # p * s with s = xs[m] * ws (block) or xs[m] * ws[n] (row), as the formula rounds
+                s = lax.broadcast_in_dim(rows[j], (WG_ROWS, tn), (0,))
                 if row_mode:  # 1D1D: s[m, n] = xs[m] * ws[n]
-                    scales.append(lax.broadcast_in_dim(row_scales(xs_s, wg, j), (WG_ROWS, tn), (0,))
-                                  * lax.broadcast_in_dim(col_scales(ws_s[0], j), (WG_ROWS, tn), (1,)))
-                else:  # 1D2D: one weight-block scale per K block
-                    scales.append(lax.broadcast_in_dim(row_scales(xs_s, wg, j) * ws_ref[nb, k * bps + j],
-                                                       (WG_ROWS, tn), (0,)))
+                    s = s * lax.broadcast_in_dim(col_scales(ws_s[0], j), (WG_ROWS, tn), (1,))
+                return p * s
 
             def mma(*p_refs):  # one fresh accumulator per K block: each block's partial is promoted alone
                 for j, p_ref in enumerate(p_refs):
@@ -484,7 +486,7 @@ def _build(mp: int, np_: int, kb: int, bk: int, op_dtype, out_dtype, cfg: Mosaic
                                 plgpu.transpose_ref(w_s.at[:, cols], (1, 0)))
                 out = acc
                 for j, p_ref in enumerate(p_refs):  # block j's product while the later blocks' wgmmas run
-                    out = out + acc_load(p_ref, bps - 1 - j) * scales[j]
+                    out = out + scaled(acc_load(p_ref, bps - 1 - j), j)
                 return out
 
             return pl.run_scoped(mma, *[plgpu.ACC((WG_ROWS, tn), jnp.float32) for _ in range(bps)])
