@@ -7,25 +7,15 @@ the run, copy ``$OUT/autotuning/<device_kind>/<jax>/decode_gemm.json`` to
 ``fp8rl_jax/kernels/data/autotuning/<device_kind>/decode_gemm.json`` (the shipped table). Budget: 50 s of tuning.
 """
 
-import json
 import os
-import time
 
 OUT = os.environ.get("OUT", "runs/gpu_queue_local")
-os.makedirs(OUT, exist_ok=True)
 os.environ["FP8RL_AUTOTUNE"] = "on"
 os.environ["FP8RL_AUTOTUNE_CACHE"] = os.path.join(OUT, "autotuning")
 os.environ.setdefault("FP8RL_AUTOTUNE_BUDGET_S", "45")
 
 import jax  # noqa: E402
-
-
-def record(**row):
-    """Append one measurement to $OUT/results.jsonl (flushed at once) and print it."""
-    row.update(device=jax.devices()[0].device_kind, jax=jax.__version__, time=time.time())
-    with open(os.path.join(OUT, "results.jsonl"), "a") as f:
-        f.write(json.dumps(row) + "\n")
-    print(json.dumps(row), flush=True)
+from _timing import record  # noqa: E402 - the queue's results file; after the tuner's settings above
 
 
 def main():

@@ -12,25 +12,15 @@ queue allows 60 s a script, import and self-test included), the largest shapes f
 are tuned again by the next slot's run (each run starts from an empty cache in its own ``$OUT``).
 """
 
-import json
 import os
-import time
 
 OUT = os.environ.get("OUT", "runs/gpu_queue_local")
-os.makedirs(OUT, exist_ok=True)
 os.environ["FP8RL_AUTOTUNE"] = "on"
 os.environ["FP8RL_AUTOTUNE_CACHE"] = os.path.join(OUT, "autotuning")
 os.environ.setdefault("FP8RL_AUTOTUNE_BUDGET_S", "40")
 
 import jax  # noqa: E402
-
-
-def record(**row):
-    """Append one measurement to $OUT/results.jsonl (flushed at once) and print it."""
-    row.update(device=jax.devices()[0].device_kind, jax=jax.__version__, time=time.time())
-    with open(os.path.join(OUT, "results.jsonl"), "a") as f:
-        f.write(json.dumps(row) + "\n")
-    print(json.dumps(row), flush=True)
+from _timing import record  # noqa: E402 - the queue's results file; after the tuner's settings above
 
 
 def main():
