@@ -208,11 +208,10 @@ def prefill_kernel_record(name: str, n: int, k: int, m: int, ptx: str, ptxas_rep
     bps = cfg.blocks_per_step  # K blocks per loop iteration
     warp_instr = loop.instructions * WARPS_PER_WARPGROUP * wgs
     mma_cycles = 2 * cta_m * tn * K_BLOCK * bps / FP8_MMA_FLOP_PER_CYCLE_PER_SM
-    stage = bps * ((cta_m + tn) * K_BLOCK + 4 * cta_m + (4 * tn if w_scales == "row" else 0))
     return {"name": name, "kernel": kernel, "gemm": "prefill",
             "shape": {"projection": projection, "n": n, "k": k}, "m": m, "config": dataclasses.asdict(cfg),
             "grid": grid, "tiles": tiles, "wave_efficiency": round(wave_eff, 4),
-            "bytes_in_flight_per_sm": cfg.stages * stage,
+            "bytes_in_flight_per_sm": cfg.stages * cfg.stage_bytes(K_BLOCK, w_scales),
             "loop_instructions_per_weight_byte": round(
                 loop_instructions_per_weight_byte(loop.instructions, wgs, tn, K_BLOCK * bps), 5),
             "loop_instructions": loop.instructions, "wgmma": forms,

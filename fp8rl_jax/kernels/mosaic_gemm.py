@@ -139,14 +139,19 @@ class MosaicGemmConfig:
         """Rows of A per CTA: :data:`WG_ROWS` (64, one wgmma's M) per compute warpgroup."""
         return WG_ROWS * self.compute_wgs
 
+    def stage_bytes(self, block_size: int = BLOCK_SIZE, w_scales: str = "block") -> int:
+        """Shared memory of one ring stage: per K block of the step the operand tiles and the ``[cta_m]`` activation
+        scales, and with ``w_scales="row"`` a ``[tile_n]`` float32 weight-scale row."""
+        per_block = (self.cta_m + self.tile_n) * block_size + 4 * self.cta_m
+        if w_scales == "row":
+            per_block += 4 * self.tile_n
+        return self.blocks_per_step * per_block
+
     def smem_bytes(self, out_dtype, block_size: int = BLOCK_SIZE, w_scales: str = "block") -> int:
         """Shared memory of the operand ring, the scale ring and the output tile, in bytes (Mosaic GPU adds
-        barriers and alignment: :data:`SMEM_MARGIN_BYTES` covers them). ``w_scales="row"`` adds a ``[tile_n]``
-        float32 scale row per stage."""
-        per_stage = (self.cta_m + self.tile_n) * block_size + 4 * self.cta_m
-        if w_scales == "row":
-            per_stage += 4 * self.tile_n
-        return self.stages * self.blocks_per_step * per_stage + self.cta_m * self.tile_n * jnp.dtype(out_dtype).itemsize
+        barriers and alignment: :data:`SMEM_MARGIN_BYTES` covers them): :meth:`stage_bytes` per stage."""
+        return self.stages * self.stage_bytes(block_size, w_scales) + self.cta_m * self.tile_n * jnp.dtype(
+            out_dtype).itemsize
 
     def validate(self, out_dtype=jnp.float32, w_scales: str = "block"):
         """Raise ``ValueError`` for an unsupported configuration or one that does not fit Hopper's SMEM."""
@@ -183,8 +188,8 @@ def fitted_config(tile_n: int = 128, compute_wgs: int = 2, out_dtype=jnp.float32
     """
     cfg = MosaicGemmConfig(tile_n=tile_n, compute_wgs=compute_wgs, stages=1, memory_registers=memory_registers,
                            blocks_per_step=blocks_per_step)
-    per_stage = cfg.smem_bytes(out_dtype, w_scales=w_scales) - cfg.cta_m * tile_n * jnp.dtype(out_dtype).itemsize
-    fit = (HOPPER_SMEM_BYTES - SMEM_MARGIN_BYTES - cfg.cta_m * tile_n * jnp.dtype(out_dtype).itemsize) // per_stage
+    fit = ((HOPPER_SMEM_BYTES - SMEM_MARGIN_BYTES - cfg.cta_m * tile_n * jnp.dtype(out_dtype).itemsize)
+           // cfg.stage_bytes(w_scales=w_scales))
     return dataclasses.replace(cfg, stages=int(max(1, min(max_stages, fit))))
 
 
