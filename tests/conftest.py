@@ -235,6 +235,24 @@ def make_tiny_smollm2_vocab_dir(directory, **overrides) -> str:
     return str(directory)
 
 
+def fake_cuda_tuner(monkeypatch, timer, core_count: int = 132) -> None:
+    """Let :func:`fp8rl_jax.kernels.tuner.select` tune on this CPU as if on an H100: a fake CUDA device (``core_count``
+    SMs) for :func:`fp8rl_jax.kernels.registry.cuda_device`, every kernel family allowed (their self-tests are their
+    own tests), and each ``select`` call timed by ``timer(fn, args) -> seconds`` on the CPU device (the candidates'
+    kernels must run in interpret mode: the caller patches that)."""
+    from fp8rl_jax.kernels import registry, tuner
+
+    class FakeGPU:
+        device_kind = "NVIDIA H100 80GB HBM3"
+        platform = "gpu"
+
+    FakeGPU.core_count = core_count
+    select, cpu = tuner.select, jax.devices("cpu")[0]
+    monkeypatch.setattr(registry, "cuda_device", lambda: FakeGPU())
+    monkeypatch.setattr(registry, "use_kernel", lambda family: True)
+    monkeypatch.setattr(tuner, "select", lambda *a, **kw: select(*a, **dict(kw, timer=timer, device=cpu)))
+
+
 def xla_flags_without(*flags: str) -> str:
     """``$XLA_FLAGS`` without the flags named (``--name`` or ``--name=value``: any value of that name goes), the
     rest kept in order."""

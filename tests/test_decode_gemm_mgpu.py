@@ -145,7 +145,7 @@ def test_tuned_config_is_the_arithmetic_choice_without_a_gpu_and_tuned_with_one(
     """Without a CUDA device the tuner is not asked to time: :func:`tuned_config` is :func:`choose_config`'s. With a
     (fake) CUDA device and an injected timer the tuner times every candidate configuration (each one a valid,
     distinct configuration of this shape, the default first) and keeps the fastest; the choice persists."""
-    from fp8rl_jax.kernels import registry
+    from conftest import fake_cuda_tuner
     from fp8rl_jax.kernels import tuner
 
     n, k, m = 128, 256, 3
@@ -155,14 +155,8 @@ def test_tuned_config_is_the_arithmetic_choice_without_a_gpu_and_tuned_with_one(
         c.validate(dg.padded_tokens(m), k // 128)
     assert dg.tuned_config(n, k, m) == cands[0]
 
-    class FakeGPU:
-        device_kind = "NVIDIA H100 80GB HBM3"
-        platform = "gpu"
-
     monkeypatch.setenv("FP8RL_AUTOTUNE_CACHE", str(tmp_path))
     monkeypatch.setenv("FP8RL_AUTOTUNE_BUDGET_S", "900")  # interpret mode on this CPU, not a GPU
-    monkeypatch.setattr(registry, "cuda_device", lambda: FakeGPU())
-    monkeypatch.setattr(registry, "use_kernel", lambda family: True)  # the family's self-test: its own tests
     fast = cands[-1]
     timed = []
 
@@ -173,21 +167,10 @@ def test_tuned_config_is_the_arithmetic_choice_without_a_gpu_and_tuned_with_one(
     # run the candidates' kernels in interpret mode on this CPU: patch the compiled call to the interpreter
     real = dg._partials
     monkeypatch.setattr(dg, "_partials", lambda *a, **kw: real(*a, **dict(kw, interpret=True)))
-    monkeypatch.setattr(tuner, "select", _with_timer(tuner.select, timer, jax_device()))
+    fake_cuda_tuner(monkeypatch, timer)
     tuner.reset()
     with tuner.autotune_mode_scope("on"):
         got = dg.tuned_config(n, k, m)
     assert len(timed) == len(cands) and got == fast, (got, fast, tuner.report())
     assert any(r["op"] == "decode_gemm" and r["choice"] == dg._config_name(fast) for r in tuner.report())
 
-
-def _with_timer(select, timer, device):
-    def run(*a, **kw):
-        return select(*a, **dict(kw, timer=timer, device=device))
-    return run
-
-
-def jax_device():
-    import jax
-
-    return jax.devices("cpu")[0]

@@ -257,6 +257,7 @@ def test_prefill_tuner_candidates_and_choice(monkeypatch, tmp_path):
     with the persistent grid among them. With a (fake) CUDA device and an injected timer each candidate is run (in
     the interpreter here), checked against the default's output and timed; the fastest is kept and persists."""
     from fp8rl_jax.kernels import mosaic_gemm as mg
+    from conftest import fake_cuda_tuner
     from fp8rl_jax.kernels import registry, tuner
 
     monkeypatch.setenv("FP8RL_AUTOTUNE_CACHE", str(tmp_path))
@@ -272,13 +273,6 @@ def test_prefill_tuner_candidates_and_choice(monkeypatch, tmp_path):
     assert mg.tuned_config(m, n, k) == cands[0]
     assert mg.tuned_config(4096, 24576, 4096, jnp.bfloat16) == default_config(4096, jnp.bfloat16, n=24576)
 
-    class FakeGPU:
-        device_kind = "NVIDIA H100 80GB HBM3"
-        platform = "gpu"
-        core_count = 114  # an H100 PCIe: the persistent candidates take one CTA per SM of the device
-
-    monkeypatch.setattr(registry, "cuda_device", lambda: FakeGPU())
-    monkeypatch.setattr(registry, "use_kernel", lambda family: True)  # the family's self-test: its own test
     timed = []
 
     def timer(fn, args):
@@ -288,7 +282,7 @@ def test_prefill_tuner_candidates_and_choice(monkeypatch, tmp_path):
     real = mg._dense
     monkeypatch.setattr(mg, "_dense", lambda *a, **kw: real(*a, **dict(kw, interpret=True)))
     select = tuner.select
-    monkeypatch.setattr(tuner, "select", lambda *a, **kw: select(*a, **dict(kw, timer=timer, device=_cpu())))
+    fake_cuda_tuner(monkeypatch, timer, core_count=114)  # an H100 PCIe: persistent grids of one CTA per SM
     tuner.reset()
     with tuner.autotune_mode_scope("on"):
         got = mg.tuned_config(m, n, k)
@@ -313,11 +307,6 @@ def test_prefill_tuner_candidates_and_choice(monkeypatch, tmp_path):
     finally:
         tuner.reset()
 
-
-def _cpu():
-    import jax
-
-    return jax.devices("cpu")[0]
 
 
 def test_default_config_by_m():
