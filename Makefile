@@ -40,9 +40,15 @@ $(VENV_CUDA)/.cuda-ok: pyproject.toml constraints.txt
 	$(PY_CUDA) -m pip install -q -c constraints.txt -e .
 	touch $@
 
+# nvdisasm (4 MB wheel) of the same CUDA release as the ptxas jax[cuda13] brought: scripts/compile_h100.py reads the
+# kernels' machine code (SASS) with it (fp8rl_jax/sass.py). Its own stamp, so an existing .venv-cuda gets it too.
+$(VENV_CUDA)/.nvdisasm-ok: $(VENV_CUDA)/.cuda-ok
+	$(PY_CUDA) -m pip install -q "nvidia-cuda-nvdisasm==$$($(PY_CUDA) -c "import importlib.metadata as m; print(m.version('nvidia-cuda-nvcc'))")"
+	touch $@
+
 setup: $(VENV)/.core-ok
 setup-test: $(VENV)/.test-ok
-setup-cuda: $(VENV_CUDA)/.cuda-ok
+setup-cuda: $(VENV_CUDA)/.cuda-ok $(VENV_CUDA)/.nvdisasm-ok
 
 train: setup
 	$(PY) scripts/train.py --gin_file=$(GIN_FILE) --output_dir=$(OUTPUT_DIR) --resume=auto $(GIN_PARAMS)

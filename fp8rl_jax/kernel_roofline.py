@@ -10,10 +10,13 @@ configuration would be slow by construction:
 * ``grid``, ``wave_efficiency``, ``bytes_in_flight_per_sm``: arithmetic of the configuration
   (:func:`fp8rl_jax.kernels.decode_gemm_mgpu.roofline`: CTAs over 132 SMs x the CTAs that fit one SM; the TMA
   ring's bytes per CTA x the CTAs resident per SM);
-* ``loop_instructions_per_weight_byte``: **read from the compiled PTX** (:func:`fp8rl_jax.gpu_dump.wgmma_loop`):
-  the per-thread PTX instructions of one iteration of the kernel's wgmma loop (one 128-wide K step) x the warps of
-  the compute warpgroups (4 per warpgroup) / the weight bytes that step streams (``cta_n x 128``, e4m3: one byte
-  per element). This is warp-instructions issued per weight byte: at 4.8 TB/s over 132 SMs (~36 B per SM per
+* ``loop_instructions_per_weight_byte``: **read from the compiled code**: the SASS instructions of one iteration of
+  the kernel's warpgroup-MMA loop (one 128-wide K step; :func:`fp8rl_jax.sass.gmma_loop` on ptxas's build of the
+  kernel's PTX, disassembled by ``nvdisasm``; without an ``nvdisasm``, the per-thread PTX instructions of the wgmma
+  loop, :func:`fp8rl_jax.gpu_dump.wgmma_loop`: ``loop_code`` says which) x the warps of the compute warpgroups (4 per
+  warpgroup) / the weight bytes that step streams (``cta_n x 128``, e4m3: one byte per element). SASS is what
+  runs: ptxas moves loop arithmetic to the uniform datapath and folds a fresh accumulator's zeroing into the MMA's
+  zero-accumulate form, so the SASS loop is shorter than the PTX one (Qwen3-8B down_proj prefill: 129 against 192). This is warp-instructions issued per weight byte: at 4.8 TB/s over 132 SMs (~36 B per SM per
   ns) and ~4 warp-instructions per SM per cycle at 1.98 GHz (~8 per ns), ~0.2 per byte saturates the issue slots,
   and the limit below (0.15) leaves room for the TMA warp and the memory system. The producer (TMA) warpgroup's
   instructions are not in it (one elected thread issues a few per stage);
@@ -23,7 +26,8 @@ Checks (:func:`roofline_violations`, :func:`check_roofline`): ``wave_efficiency 
 ``bytes_in_flight_per_sm >= 24576``, ``loop_instructions_per_weight_byte <= 0.15``, no spilled byte (issue 37).
 
 The prefill GEMM (:mod:`fp8rl_jax.kernels.mosaic_gemm`, M >= 128) gets a record too (:func:`prefill_kernel_record`),
-with the same fields read the same way, plus ``issue_per_mma_cycles``: a compute-bound GEMM is limited by the
+with the same fields read the same way (SASS loop: ``QGMMA`` issue of 4 x m64n128k32 per K block, 64 promotion
+``FFMA`` and ~60 loop, barrier and address instructions), plus ``issue_per_mma_cycles``: a compute-bound GEMM is limited by the
 tensor cores, not HBM, so what its K loop must not exceed is the tensor cores' time. Per K step the compute
 warpgroups issue ``loop_instructions x 4 warps x compute_wgs`` warp-instructions on the SM's 4 schedulers (one each
 per cycle) while their wgmmas take ``2 x cta_m x tile_n x 128 / 8192`` cycles (H100 SXM: 1,979 dense FP8 TFLOP/s =
@@ -42,6 +46,7 @@ import os
 from typing import Sequence
 
 from fp8rl_jax.gpu_dump import parse_ptxas_info, ptx_entries, wgmma_loop
+from fp8rl_jax.sass import gmma_loop
 
 #: the least CTAs per wave that may be busy (issue 37: >= 0.9; the kernel's goal is 0.95)
 MIN_WAVE_EFFICIENCY = 0.9
@@ -80,8 +85,8 @@ class RooflineCheckError(ValueError):
 
 def loop_instructions_per_weight_byte(loop_instructions: int, compute_wgs: int, cta_n: int,
                                       k_block: int = K_BLOCK) -> float:
-    """Warp-instructions per weight byte of a swap-AB FP8 K loop: ``loop_instructions`` (per thread, one
-    iteration: :attr:`fp8rl_jax.gpu_dump.PtxLoop.instructions`) x the warps of the ``compute_wgs`` compute
+    """Warp-instructions per weight byte of a swap-AB FP8 K loop: ``loop_instructions`` (one iteration, per warp in
+    SASS: :attr:`fp8rl_jax.sass.SassLoop.instructions`, or per thread in PTX: :attr:`fp8rl_jax.gpu_dump.PtxLoop.instructions`) x the warps of the ``compute_wgs`` compute
     warpgroups (4 each) / the weight bytes one iteration streams, ``cta_n x k_block`` (e4m3: 1 byte per element).
 
     Raises:
@@ -90,6 +95,36 @@ def loop_instructions_per_weight_byte(loop_instructions: int, compute_wgs: int, 
         raise ValueError(f"loop_instructions_per_weight_byte: need loop_instructions >= 0 and positive compute_wgs, "
                          f"cta_n, k_block; got {loop_instructions}, {compute_wgs}, {cta_n}, {k_block}")
     return loop_instructions * WARPS_PER_WARPGROUP * compute_wgs / (cta_n * k_block)
+
+
+def loop_reading(ptx: str, sass: str | None) -> dict:
+    """What one K-loop iteration of a compiled kernel issues, per thread (PTX) or per warp (SASS), as record fields.
+
+    Args:
+      ptx: the kernel's PTX (its loop: :func:`fp8rl_jax.gpu_dump.wgmma_loop`).
+      sass: the SASS ptxas builds from that PTX (:func:`fp8rl_jax.sass.sass_of_ptx`), or None where no
+        ``nvdisasm`` is installed.
+
+    Returns:
+      ``{"loop_instructions", "loop_code", "ptx_loop_instructions", "wgmma", "sass_gmma", "zero_accumulate_gmma"}``:
+      ``loop_instructions`` is the SASS loop's count (:func:`fp8rl_jax.sass.gmma_loop`: what runs; ``loop_code``
+      ``"sass"``) when ``sass`` is given, else the PTX loop's (``"ptx"``; an upper reading: ptxas removes, e.g., the
+      zeroing of a fresh wgmma accumulator, which becomes the instruction's zero-accumulate form); the PTX count
+      always; ``wgmma`` the PTX loop's wgmma forms; ``sass_gmma`` the SASS loop's warpgroup MMA opcodes (distinct,
+      sorted) and ``zero_accumulate_gmma`` how many of its MMAs start from a zero accumulator (None without SASS).
+
+    Raises:
+      ValueError: no wgmma loop in the PTX, or no warpgroup-MMA loop in the SASS.
+    """
+    loop = wgmma_loop(ptx)
+    out = {"loop_instructions": loop.instructions, "loop_code": "ptx", "ptx_loop_instructions": loop.instructions,
+           "wgmma": sorted(f for f in loop.gemm_instructions if f.startswith("wgmma.")),
+           "sass_gmma": None, "zero_accumulate_gmma": None}
+    if sass is not None:
+        sl = gmma_loop(sass)
+        out.update(loop_instructions=sl.instructions, loop_code="sass", sass_gmma=sorted(set(sl.gmma)),
+                   zero_accumulate_gmma=sl.zero_accumulate)
+    return out
 
 
 def find_kernel_ptx(dump_dir: str, kernel_name: str = DECODE_KERNEL_NAME) -> tuple[str, str]:
@@ -119,7 +154,7 @@ def find_kernel_ptx(dump_dir: str, kernel_name: str = DECODE_KERNEL_NAME) -> tup
 
 
 def decode_kernel_record(name: str, n: int, k: int, m: int, ptx: str, ptxas_report: str, cfg=None,
-                         projection: str = "") -> dict:
+                         projection: str = "", sass: str | None = None) -> dict:
     """The roofline record of one compiled decode GEMM (:mod:`fp8rl_jax.kernels.decode_gemm_mgpu`).
 
     Args:
@@ -129,35 +164,37 @@ def decode_kernel_record(name: str, n: int, k: int, m: int, ptx: str, ptxas_repo
       cfg: the :class:`~fp8rl_jax.kernels.decode_gemm_mgpu.DecodeGemmConfig` it was compiled with (default
         ``choose_config(n, k, m)``: what ``decode_w8a8_matmul`` ships when given no config).
       projection: words for the shape (``"Qwen3-8B qkv"``).
+      sass: the kernel's SASS (:func:`fp8rl_jax.sass.sass_of_ptx` of ``ptx``), or None (then the PTX's count).
 
     Returns:
       ``{"name", "kernel", "shape": {"projection", "n", "k"}, "m", "config", "grid", "wave_efficiency",
-      "bytes_in_flight_per_sm", "loop_instructions_per_weight_byte", "loop_instructions", "wgmma",
+      "bytes_in_flight_per_sm", "loop_instructions_per_weight_byte", "loop_instructions", "loop_code",
+      "ptx_loop_instructions", "wgmma", "sass_gmma", "zero_accumulate_gmma",
       "estimated_loop_instructions_per_weight_byte", "registers", "spills", "spill_stores", "spill_loads"}``:
-      the first metrics from ``roofline(cfg, n, k, m)``; ``loop_instructions`` (per thread and K step) and
-      ``wgmma`` (the loop's wgmma form) from the PTX (:func:`fp8rl_jax.gpu_dump.wgmma_loop`) and
+      the first metrics from ``roofline(cfg, n, k, m)``; ``loop_instructions`` (per K step) and the loop's MMA
+      forms from the SASS when given, else the PTX (:func:`loop_reading`), and
       ``loop_instructions_per_weight_byte`` from them (:func:`loop_instructions_per_weight_byte`); the kernel
       module's own estimate beside it (``loop_instruction_count``); ``registers`` and ``spills`` (bytes, stores +
       loads) from the ptxas report (None when it has no entry).
 
     Raises:
-      ValueError: the PTX has no wgmma loop (:func:`fp8rl_jax.gpu_dump.wgmma_loop`), or ``m`` out of 1..64.
+      ValueError: the PTX has no wgmma loop (:func:`fp8rl_jax.gpu_dump.wgmma_loop`), the SASS no warpgroup-MMA
+        loop, or ``m`` out of 1..64.
     """
     from fp8rl_jax.kernels import decode_gemm_mgpu as dg
 
     cfg = cfg or dg.choose_config(n, k, m)
     r = dg.roofline(cfg, n, k, m)
-    loop = wgmma_loop(ptx)
-    forms = sorted(f for f in loop.gemm_instructions if f.startswith("wgmma."))
+    lr = loop_reading(ptx, sass)
     entry = f"{DECODE_KERNEL_NAME}_mosaic_gpu_kernel"
-    info = parse_ptxas_info(ptxas_report).get(entry) or parse_ptxas_info(ptxas_report).get(loop.entry)
+    info = parse_ptxas_info(ptxas_report).get(entry) or parse_ptxas_info(ptxas_report).get(wgmma_loop(ptx).entry)
     regs = info["registers"] if info and info["registers"] >= 0 else None
     return {"name": name, "kernel": DECODE_KERNEL_NAME, "shape": {"projection": projection, "n": n, "k": k},
             "m": m, "config": dataclasses.asdict(cfg), "grid": list(r.grid),
             "wave_efficiency": round(r.wave_efficiency, 4), "bytes_in_flight_per_sm": r.bytes_in_flight_per_sm,
             "loop_instructions_per_weight_byte": round(
-                loop_instructions_per_weight_byte(loop.instructions, cfg.compute_wgs, cfg.cta_n), 5),
-            "loop_instructions": loop.instructions, "wgmma": forms,
+                loop_instructions_per_weight_byte(lr["loop_instructions"], cfg.compute_wgs, cfg.cta_n), 5),
+            **lr,
             "estimated_loop_instructions_per_weight_byte": round(r.loop_instructions_per_weight_byte, 5),
             "registers": regs,
             "spills": (info["spill_stores"] + info["spill_loads"]) if info else None,
@@ -166,7 +203,7 @@ def decode_kernel_record(name: str, n: int, k: int, m: int, ptx: str, ptxas_repo
 
 
 def prefill_kernel_record(name: str, n: int, k: int, m: int, ptx: str, ptxas_report: str, cfg,
-                          projection: str = "", w_scales: str = "block") -> dict:
+                          projection: str = "", w_scales: str = "block", sass: str | None = None) -> dict:
     """The roofline record of one compiled prefill GEMM (:func:`fp8rl_jax.kernels.mosaic_gemm.mosaic_w8a8_matmul`).
 
     Args:
@@ -177,6 +214,7 @@ def prefill_kernel_record(name: str, n: int, k: int, m: int, ptx: str, ptxas_rep
       cfg: the :class:`~fp8rl_jax.kernels.mosaic_gemm.MosaicGemmConfig` it was compiled with.
       projection: words for the shape.
       w_scales: the weight-scale layout it was compiled for (``"row"`` streams a ``[tile_n]`` scale row per K block).
+      sass: the kernel's SASS (:func:`fp8rl_jax.sass.sass_of_ptx` of ``ptx``), or None (then the PTX's count).
 
     Returns:
       the fields of :func:`decode_kernel_record` (``kernel`` = the compiled kernel's name, ``"gemm": "prefill"``):
@@ -184,13 +222,13 @@ def prefill_kernel_record(name: str, n: int, k: int, m: int, ptx: str, ptxas_rep
       ``[CTAs]`` for a persistent one), ``wave_efficiency`` (output tiles / (waves x 132 SMs), one CTA per SM: the
       ring fills the shared memory; a persistent grid of ``C`` CTAs runs ``ceil(tiles / C)`` waves),
       ``bytes_in_flight_per_sm`` (the TMA ring: ``stages x blocks_per_step x ((cta_m + tile_n) x 128 + scales)``),
-      ``loop_instructions`` (per thread and loop iteration, from the PTX: one pipeline step of ``blocks_per_step`` K
-      blocks), ``loop_instructions_per_weight_byte`` (as the decode record: x warps / the ``tile_n x 128 x
+      ``loop_instructions`` (per warp and loop iteration, from the SASS when given, else per thread from the PTX:
+      :func:`loop_reading`; one pipeline step of ``blocks_per_step`` K blocks), ``loop_instructions_per_weight_byte`` (as the decode record: x warps / the ``tile_n x 128 x
       blocks_per_step`` weight bytes of the step), and ``issue_per_mma_cycles`` (the module docstring; the step's
       wgmmas), ``tiles``, registers and spills.
 
     Raises:
-      ValueError: the PTX has no wgmma loop.
+      ValueError: the PTX has no wgmma loop, or the SASS no warpgroup-MMA loop.
     """
     import math
 
@@ -199,22 +237,21 @@ def prefill_kernel_record(name: str, n: int, k: int, m: int, ptx: str, ptxas_rep
     slots = min(cfg.persistent_ctas, SMS) if cfg.persistent_ctas else SMS  # CTAs running at once
     wave_eff = tiles / (math.ceil(tiles / slots) * SMS)
     grid = [min(tiles, cfg.persistent_ctas)] if cfg.persistent_ctas else [-(-m // cta_m), -(-n // tn)]
-    loop = wgmma_loop(ptx)
-    forms = sorted(f for f in loop.gemm_instructions if f.startswith("wgmma."))
+    lr = loop_reading(ptx, sass)
     kernel = PREFILL_KERNEL_NAME + ("_persistent" if cfg.persistent_ctas else "")
     infos = parse_ptxas_info(ptxas_report)
-    info = infos.get(f"{kernel}_mosaic_gpu_kernel") or infos.get(loop.entry)
+    info = infos.get(f"{kernel}_mosaic_gpu_kernel") or infos.get(wgmma_loop(ptx).entry)
     regs = info["registers"] if info and info["registers"] >= 0 else None
     bps = cfg.blocks_per_step  # K blocks per loop iteration
-    warp_instr = loop.instructions * WARPS_PER_WARPGROUP * wgs
+    warp_instr = lr["loop_instructions"] * WARPS_PER_WARPGROUP * wgs
     mma_cycles = 2 * cta_m * tn * K_BLOCK * bps / FP8_MMA_FLOP_PER_CYCLE_PER_SM
     return {"name": name, "kernel": kernel, "gemm": "prefill",
             "shape": {"projection": projection, "n": n, "k": k}, "m": m, "config": dataclasses.asdict(cfg),
             "grid": grid, "tiles": tiles, "wave_efficiency": round(wave_eff, 4),
             "bytes_in_flight_per_sm": cfg.stages * cfg.stage_bytes(K_BLOCK, w_scales),
             "loop_instructions_per_weight_byte": round(
-                loop_instructions_per_weight_byte(loop.instructions, wgs, tn, K_BLOCK * bps), 5),
-            "loop_instructions": loop.instructions, "wgmma": forms,
+                loop_instructions_per_weight_byte(lr["loop_instructions"], wgs, tn, K_BLOCK * bps), 5),
+            **lr,
             "issue_per_mma_cycles": round(warp_instr / ISSUE_SLOTS_PER_CYCLE / mma_cycles, 4),
             "registers": regs,
             "spills": (info["spill_stores"] + info["spill_loads"]) if info else None,
@@ -294,7 +331,7 @@ def check_roofline(records: Sequence[dict]) -> None:
 def markdown_table(records: Sequence[dict]) -> list[str]:
     """The records as a Markdown table (lines), one row per kernel, a failed check in bold."""
     lines = ["| kernel | N x K | M | config (wgs, stages, splits) | grid | wave eff. | KiB in flight / SM | "
-             "loop instr. / weight B (PTX; estimate) | registers | spill B | wgmma |",
+             "loop instr. / weight B (compiled code; estimate) | registers | spill B | wgmma |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
 
     def fmt(v, spec, fails):
@@ -313,7 +350,7 @@ def markdown_table(records: Sequence[dict]) -> list[str]:
         ipb = fmt(r.get("loop_instructions_per_weight_byte"), ".4f",
                   lambda v: v > MAX_LOOP_INSTRUCTIONS_PER_WEIGHT_BYTE)
         if r.get("loop_instructions") is not None:
-            ipb += f" ({r['loop_instructions']} / K step)"
+            ipb += f" ({r['loop_instructions']} {(r.get('loop_code') or 'ptx').upper()} / K step)"
         if est is not None:
             ipb += f"; {est:.4f}"
         wgmma = "<br>".join(f.replace("wgmma.mma_async.sync.aligned.", "") for f in r.get("wgmma") or [])
@@ -329,7 +366,7 @@ def markdown_table(records: Sequence[dict]) -> list[str]:
 def prefill_markdown_table(records: Sequence[dict]) -> list[str]:
     """Prefill GEMM records (:func:`prefill_kernel_record`) as a Markdown table (lines), a spill in bold."""
     lines = ["| kernel | N x K | M | config (CTA tile, stages x K blocks, persistent CTAs) | grid (tiles) | wave eff. | "
-             "KiB in flight / SM | loop instr. / step (PTX) | issue / MMA cycles | registers | spill B | wgmma |",
+             "KiB in flight / SM | loop instr. / step (SASS; PTX) | issue / MMA cycles | registers | spill B | wgmma |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in records:
         sh, c = r.get("shape") or {}, r.get("config") or {}
@@ -340,10 +377,13 @@ def prefill_markdown_table(records: Sequence[dict]) -> list[str]:
         kib = f"{kib / 1024:,.1f}" if kib is not None else "?"
         sp = r.get("spills")
         wgmma = "<br>".join(f.replace("wgmma.mma_async.sync.aligned.", "") for f in r.get("wgmma") or [])
+        ptx_n = r.get("ptx_loop_instructions", r.get("loop_instructions", "?"))
+        loop = (f"{r.get('loop_instructions', '?')}; {ptx_n}" if r.get("loop_code") == "sass"
+                else f"-; {ptx_n}")
         lines.append(
             f"| {r.get('name')} | {sh.get('projection', '')} {sh.get('n')} x {sh.get('k')} | {r.get('m')} | {cfg} "
             f"| {grid} | {r.get('wave_efficiency', '?')} | {kib} "
-            f"| {r.get('loop_instructions', '?')} | {r.get('issue_per_mma_cycles', '?')} "
+            f"| {loop} | {r.get('issue_per_mma_cycles', '?')} "
             f"| {r.get('registers') if r.get('registers') is not None else '?'} "
             f"| {('**?**' if sp is None else (f'**{sp}**' if sp else '0'))} | {wgmma} |")
     return lines

@@ -50,8 +50,9 @@ program (prefill: :func:`fp8rl_jax.kernel_roofline.prefill_kernel_record`, the s
 ``issue_per_mma_cycles``; only its spill check applies); decode
 (:func:`fp8rl_jax.kernel_roofline.decode_kernel_record`: ``name``, ``shape``, ``m``, ``config``, ``grid``,
 ``wave_efficiency``, ``bytes_in_flight_per_sm`` from the configuration's ``roofline()``;
-``loop_instructions_per_weight_byte`` read from the kernel's PTX (its wgmma loop's per-thread instructions x the
-compute warps / the weight bytes of one K step); ``registers`` and ``spills`` from ptxas), and ``.md`` a table of
+``loop_instructions_per_weight_byte`` read from the kernel's SASS (``ptxas`` + ``nvdisasm``, :mod:`fp8rl_jax.sass`;
+its warpgroup-MMA loop's instructions x the compute warps / the weight bytes of one K step; ``loop_code`` is
+``"ptx"`` and the count the PTX loop's per-thread one where no ``nvdisasm`` is installed); ``registers`` and ``spills`` from ptxas), and ``.md`` a table of
 them. Results: ``<output_dir>/h100_compile.json`` and ``.md``. Exit status: 0 when every program compiled and every
 decode GEMM record passes issue 37's roofline checks; 1 when a program failed (each named with its error; the
 others are still compiled and written) or a record misses a check (``ROOFLINE <program>: <metric> ...`` on stderr:
@@ -280,10 +281,15 @@ def prefill_gemm_program(p: Program):
 def kernel_record(p: Program, dump: str) -> dict:
     """The roofline record of a ``decode_gemm_*`` program from its dump (:mod:`fp8rl_jax.kernel_roofline`): the
     configuration's grid, wave efficiency and bytes in flight; the wgmma loop's instructions per weight byte read
-    from the kernel's PTX; registers and spills from its ptxas report. A reading error gives a record with the
+    from the kernel's SASS (ptxas + nvdisasm; the PTX where no nvdisasm is installed); registers and spills from its
+    ptxas report. A reading error gives a record with the
     metrics it could not read as None and ``error`` (the check then fails on them)."""
     from fp8rl_jax.kernel_roofline import (PREFILL_KERNEL_NAME, decode_kernel_record, find_kernel_ptx,
                                            prefill_kernel_record)
+    from fp8rl_jax.sass import find_nvdisasm, sass_of_ptx
+
+    def sass_of(ptx):  # the loop's SASS when an nvdisasm is installed (make setup-cuda), else the PTX's count
+        return sass_of_ptx(ptx) if find_nvdisasm() else None
 
     proj = f"Qwen3-{p.model.upper()} {p.projection}"
     if p.name.startswith("prefill_gemm"):
@@ -291,8 +297,9 @@ def kernel_record(p: Program, dump: str) -> dict:
         try:
             name = PREFILL_KERNEL_NAME + ("_persistent" if cfg.persistent_ctas else "")
             ptx, report = find_kernel_ptx(dump, name)
-            return prefill_kernel_record(p.name, p.n, p.k, p.batch, ptx, report, cfg, projection=proj)
-        except (OSError, ValueError) as e:
+            return prefill_kernel_record(p.name, p.n, p.k, p.batch, ptx, report, cfg, projection=proj,
+                                         sass=sass_of(ptx))
+        except (OSError, ValueError, RuntimeError) as e:
             return {"name": p.name, "kernel": PREFILL_KERNEL_NAME, "gemm": "prefill",
                     "shape": {"projection": proj, "n": p.n, "k": p.k},
                     "m": p.batch, "config": dataclasses.asdict(cfg), "spills": None,
@@ -300,8 +307,9 @@ def kernel_record(p: Program, dump: str) -> dict:
     _, _, cfg = decode_gemm_program(p)
     try:
         ptx, report = find_kernel_ptx(dump)
-        return decode_kernel_record(p.name, p.n, p.k, p.batch, ptx, report, cfg=cfg, projection=proj)
-    except (OSError, ValueError) as e:
+        return decode_kernel_record(p.name, p.n, p.k, p.batch, ptx, report, cfg=cfg, projection=proj,
+                                    sass=sass_of(ptx))
+    except (OSError, ValueError, RuntimeError) as e:
         from fp8rl_jax.kernels.decode_gemm_mgpu import roofline
 
         r = roofline(cfg, p.n, p.k, p.batch)
@@ -659,9 +667,10 @@ def write_outputs(records: list[dict], out_dir: str, jax_version: str, wall_s: f
                   "`fp8rl_jax/kernels/decode_gemm_mgpu.py`) alone at one shape with `choose_config`'s "
                   "configuration. Grid, wave efficiency (CTAs / (waves x CTAs per wave) on 132 SMs) and KiB in "
                   "flight per SM (the TMA ring x CTAs resident per SM) follow from the configuration "
-                  "(`roofline()`); loop instructions per weight byte are READ FROM THE PTX: the per-thread "
-                  "instructions of one iteration of the wgmma loop (one 128-wide K step; an mbarrier spin wait "
-                  "counts once) x the compute warpgroups' warps / the weight bytes of that step (cta_n x 128), "
+                  "(`roofline()`); loop instructions per weight byte are READ FROM THE COMPILED CODE: the SASS "
+                  "instructions (ptxas, then nvdisasm; `SASS` in the cell; `PTX` where no nvdisasm is installed: "
+                  "per-thread PTX, an mbarrier spin wait counted once) of one iteration of the warpgroup-MMA loop "
+                  "(one 128-wide K step) x the compute warpgroups' warps / the weight bytes of that step (cta_n x 128), "
                   "beside the kernel module's estimate (`loop_instruction_count`); registers and spilled bytes "
                   "from ptxas. Checks (issue 37; a miss is in bold and fails the run): wave efficiency >= "
                   f"{MIN_WAVE_EFFICIENCY}, in flight >= {MIN_BYTES_IN_FLIGHT_PER_SM // 1024} KiB per SM, "
@@ -673,7 +682,8 @@ def write_outputs(records: list[dict], out_dir: str, jax_version: str, wall_s: f
                   "`fp8rl_jax/kernels/mosaic_gemm.py`) alone at one Qwen3-8B shape, M = 4096, with "
                   "`default_config`'s configuration (on a GPU the autotuner may choose another). A prefill GEMM is "
                   "compute-bound: issue / MMA cycles = the compute warpgroups' warp-instructions of one K step "
-                  "(READ FROM THE PTX) over the SM's 4 schedulers, divided by the cycles that step's wgmmas take "
+                  "(READ FROM THE SASS; the PTX count beside it, which still holds the zeroing of each fresh "
+                  "accumulator that ptxas folds into the MMA's zero-accumulate form) over the SM's 4 schedulers, divided by the cycles that step's wgmmas take "
                   "on the tensor cores at 8192 dense FP8 FLOP per cycle per SM (H100 SXM). Near 1, the per-K-block "
                   "promotion cannot hide behind the other warpgroup's wgmma. Wave efficiency counts output tiles "
                   "over 132 SMs. Check: no spill (issue 37's other thresholds are for the decode kernels).", ""]

@@ -1,14 +1,17 @@
 """Issue 37 item 4: the roofline table of the FP8 decode GEMM kernels, read from the compiled code on the CPU.
 
-(a) The PTX loop reader (:func:`fp8rl_jax.gpu_dump.ptx_loops` / :func:`~fp8rl_jax.gpu_dump.wgmma_loop`) on a
+(a) The SASS loop reader (:func:`fp8rl_jax.sass.sass_loops` / :func:`~fp8rl_jax.sass.gmma_loop`) on a hand-written
+``nvdisasm -c`` text (a K loop inside a loop over tiles, an mbarrier wait's out-of-line retry, counts by hand below),
+and the PTX loop reader (:func:`fp8rl_jax.gpu_dump.ptx_loops` / :func:`~fp8rl_jax.gpu_dump.wgmma_loop`) on a
 hand-written PTX function whose counts are stated by hand below: a loop without wgmma (ignored by ``wgmma_loop``),
 a wgmma loop with an mbarrier spin wait (counts once), inline ``{ ... }`` asm blocks (their instructions count,
 their ``.reg`` does not), vector operands in braces, comments, ``.loc`` lines and a forward branch.
 (b) The checks (:func:`fp8rl_jax.kernel_roofline.check_roofline`) raise on a bad record, naming the kernel and the
 metric, and pass a good one; scripts/compile_h100.py writes the ``"kernels"`` list and its Markdown table.
 (c) A deviceless sm_90a compile in .venv-cuda (subprocess) of the decode GEMM at M=1, N=6144, K=4096 with
-``choose_config``'s configuration: the loop instructions per weight byte READ FROM ITS PTX are <= 0.15, its wgmma is
-``m64n8k32.f32.e4m3.e4m3``, and ptxas reports no spill; and of the prefill GEMM at M=4096 (same N, K): its K loop
+``choose_config``'s configuration: the loop instructions per weight byte READ FROM ITS SASS (ptxas + nvdisasm) are
+<= 0.15, its wgmma is ``m64n8k32.f32.e4m3.e4m3`` (``QGMMA.64x8x32`` in SASS, the first of a K block from a zero
+accumulator), and ptxas reports no spill; and of the prefill GEMM at M=4096 (same N, K): its K loop
 issues less than the tensor cores' time of the step (``issue_per_mma_cycles < 1``), no spill.
 """
 
@@ -111,8 +114,79 @@ ptxas info    : Used 255 registers, used 16 barriers, 1 bytes smem
 """
 
 
+# Counted by hand (an nvdisasm -c text in the form CUDA 13 writes, 16-byte sm_90 instructions):
+#   .L_x_1 (the K loop, 0x20..0xc0): TRYWAIT, @!P1 BRA (forward, to the retry block), ARRIVE, 2 x QGMMA (the first
+#     from a zero accumulator: RZ, !UPT), DEPBAR, FFMA, UIADD3, UISETP, PLOP3, @P1 BRA (closing)      = 11
+#   .L_x_0 (the loop over tiles, 0x10..0xf0): UMOV + the K loop (11) + IADD3, ISETP, @P2 BRA          = 15
+#   .L_x_3 (the wait's retry, 0x110..0x120): TRYWAIT, @!P1 BRA                                         = 2
+# Not loops: the retry block's unconditional BRA back into the K loop (.L_x_4) and the trailing self-branch.
+SASS = textwrap.dedent("""\
+    \t.target\tsm_90a
+
+    //--------------------- .text.k_mosaic_gpu_kernel --------------------------
+    \t.section\t.text.k_mosaic_gpu_kernel,"ax",@progbits
+            .global         k_mosaic_gpu_kernel
+    k_mosaic_gpu_kernel:
+    .text.k_mosaic_gpu_kernel:
+            /*0000*/                   LDC R1, c[0x0][0x28] ;
+    .L_x_0:
+            /*0010*/                   UMOV UR4, URZ ;
+    .L_x_1:
+            /*0020*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P1, [UR6], R6 ;
+            /*0030*/              @!P1 BRA `(.L_x_3) ;
+    .L_x_4:
+            /*0040*/                   WARPGROUP.ARRIVE ;
+            /*0050*/                   QGMMA.64x128x32.F32.E4M3.E4M3 R24, gdesc[UR12], RZ, !UPT ;
+            /*0060*/                   QGMMA.64x128x32.F32.E4M3.E4M3 R24, gdesc[UR14], R24, gsb0 ;
+            /*0070*/                   WARPGROUP.DEPBAR.LE gsb0, 0x0 ;
+            /*0080*/                   FFMA R8, R137, R25, R8 ;
+            /*0090*/                   UIADD3 UR4, UR4, 0x1, URZ ;
+            /*00a0*/                   UISETP.NE.U32.AND UP0, UPT, UR4, 0x8, UPT ;
+            /*00b0*/                   PLOP3.LUT P1, PT, PT, PT, UP0, 0x80, 0x0 ;
+            /*00c0*/               @P1 BRA `(.L_x_1) ;
+            /*00d0*/                   IADD3 R2, R2, 0x1, RZ ;
+            /*00e0*/                   ISETP.NE.AND P2, PT, R2, 0x4, PT ;
+            /*00f0*/               @P2 BRA `(.L_x_0) ;
+            /*0100*/                   EXIT ;
+    .L_x_3:
+            /*0110*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P1, [UR6], R6 ;
+            /*0120*/              @!P1 BRA `(.L_x_3) ;
+            /*0130*/                   BRA `(.L_x_4) ;
+    .L_x_5:
+            /*0140*/                   BRA `(.L_x_5);
+    """)
+
+
 # ----------------------------------------------------------------------------------------------------------------
-# (a) the PTX loop reader
+# (a) the PTX and SASS loop readers
+
+
+def test_sass_loops_count_by_hand():
+    from fp8rl_jax.sass import gmma_loop, sass_loops
+
+    loops = {lp.label: lp for lp in sass_loops(SASS)}
+    assert sorted(loops) == [".L_x_0", ".L_x_1", ".L_x_3"]
+    assert [(loops[x].start, loops[x].end, loops[x].instructions) for x in (".L_x_0", ".L_x_1", ".L_x_3")] == [
+        (0x10, 0xf0, 15), (0x20, 0xc0, 11), (0x110, 0x120, 2)]
+    k = gmma_loop(SASS)  # the smallest loop holding a QGMMA: the K loop, not the loop over tiles
+    assert (k.function, k.label, k.instructions) == ("k_mosaic_gpu_kernel", ".L_x_1", 11)
+    assert k.gmma == ("QGMMA.64x128x32.F32.E4M3.E4M3",) * 2 and k.zero_accumulate == 1
+    assert k.opcodes["QGMMA"] == 2 and k.opcodes["BRA"] == 2 and k.opcodes["FFMA"] == 1
+    assert loops[".L_x_0"].gmma == k.gmma and loops[".L_x_3"].gmma == ()
+
+
+def test_sass_readers_name_what_they_miss(monkeypatch):
+    from fp8rl_jax import sass
+
+    no_mma = SASS.replace("QGMMA.64x128x32.F32.E4M3.E4M3", "FFMA")
+    with pytest.raises(ValueError, match=r"no loop holding a warpgroup MMA.*\.L_x_1 \(11\)"):
+        sass.gmma_loop(no_mma)
+    with pytest.raises(ValueError, match="no SASS instructions"):
+        sass.sass_loops(PTX)
+    monkeypatch.setattr(sass, "find_nvdisasm", lambda: None)
+    with pytest.raises(FileNotFoundError, match="nvidia-cuda-nvdisasm"):
+        sass.sass_of_ptx(PTX, ptxas=sys.executable)
+
 
 def test_ptx_loops_count_by_hand():
     loops = gpu_dump.ptx_loops(PTX)
@@ -210,6 +284,13 @@ def test_prefill_kernel_record_reads_the_ptx_and_compares_issue_with_the_tensor_
     assert two["bytes_in_flight_per_sm"] == 2 * 2 * (256 * 128 + 512 + 512)
     assert two["issue_per_mma_cycles"] == round(34 / 1024, 4)
     assert two["loop_instructions_per_weight_byte"] == round(17 * 8 / (128 * 256), 5)
+    # with the SASS ptxas built: its K loop's 11 instructions per warp, the PTX's 17 kept beside them
+    sr = kr.prefill_kernel_record("p", 6144, 4096, 4096, PTX, "", cfg, sass=SASS)
+    assert (sr["loop_code"], sr["loop_instructions"], sr["ptx_loop_instructions"]) == ("sass", 11, 17)
+    assert sr["sass_gmma"] == ["QGMMA.64x128x32.F32.E4M3.E4M3"] and sr["zero_accumulate_gmma"] == 1
+    assert sr["issue_per_mma_cycles"] == round(11 * 8 / 4 / 512, 4)
+    assert sr["loop_instructions_per_weight_byte"] == round(11 * 8 / (128 * 128), 5)
+    assert (rec["loop_code"], rec["sass_gmma"], rec["zero_accumulate_gmma"]) == ("ptx", None, None)
 
 
 GOOD = {"name": "decode_gemm_8b_qkv_m1", "wave_efficiency": 0.97, "bytes_in_flight_per_sm": 221952,
@@ -248,13 +329,13 @@ def test_compile_h100_writes_the_kernels_list_and_table(tmp_path):
     assert "prefill_gemm_8b_down_proj_m4096" in names
     good = dict(GOOD, shape={"projection": "Qwen3-8B qkv", "n": 6144, "k": 4096}, m=1,
                 config={"compute_wgs": 1, "stages": 8, "splits": 4}, grid=[96, 4], loop_instructions=59,
-                wgmma=[WGMMA_M1])
+                loop_code="sass", wgmma=[WGMMA_M1])
     slow = dict(good, name="decode_gemm_8b_o_proj_m1", wave_efficiency=0.4848)
     prefill = {"name": "prefill_gemm_8b_qkv_m4096", "kernel": "fp8_blockwise_gemm_wgmma", "gemm": "prefill",
                "shape": {"projection": "Qwen3-8B qkv", "n": 6144, "k": 4096}, "m": 4096,
                "config": {"tile_n": 128, "compute_wgs": 2, "stages": 5, "persistent_ctas": 0}, "grid": [32, 48],
-               "tiles": 1536, "wave_efficiency": 0.9697, "bytes_in_flight_per_sm": 166400, "loop_instructions": 192,
-               "issue_per_mma_cycles": 0.75, "registers": 168, "spills": 0, "wgmma": ["wgmma.x"]}
+               "tiles": 1536, "wave_efficiency": 0.9697, "bytes_in_flight_per_sm": 166400, "loop_instructions": 129,
+               "loop_code": "sass", "ptx_loop_instructions": 192, "issue_per_mma_cycles": 0.5039, "registers": 168, "spills": 0, "wgmma": ["wgmma.x"]}
     records = ch.merge(["decode_gemm_8b_qkv_m1", "decode_gemm_8b_o_proj_m1", "prefill_gemm_8b_qkv_m4096"], {
         "decode_gemm_8b_qkv_m1": {"compiled": True, "compile_s": 4.0, "kernel": good},
         "decode_gemm_8b_o_proj_m1": {"compiled": True, "compile_s": 4.0, "kernel": slow},
@@ -266,11 +347,11 @@ def test_compile_h100_writes_the_kernels_list_and_table(tmp_path):
     md = open(mpath).read()
     assert "## FP8 decode GEMM kernels" in md and "## FP8 prefill GEMM kernels" in md
     row = next(x for x in md.splitlines() if x.startswith("| prefill_gemm_8b_qkv_m4096 | Qwen3-8B"))
-    assert "| 128x128, 5x1, - | 32x48 (1536) | 0.9697 | 162.5 | 192 | 0.75 | 168 | 0 |" in row
+    assert "| 128x128, 5x1, - | 32x48 (1536) | 0.9697 | 162.5 | 129; 192 | 0.5039 | 168 | 0 |" in row
     decode_table = md.split("## FP8 prefill GEMM kernels")[0]
     assert "prefill_gemm_8b_qkv_m4096 | Qwen3" not in decode_table
     row = next(x for x in md.splitlines() if x.startswith("| decode_gemm_8b_o_proj_m1 | Qwen3-8B"))
-    assert "**0.485**" in row and "0.0288 (59 / K step)" in row and "m64n8k32.f32.e4m3.e4m3" in row
+    assert "**0.485**" in row and "0.0288 (59 SASS / K step)" in row and "m64n8k32.f32.e4m3.e4m3" in row
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -288,8 +369,9 @@ _COMPILE = textwrap.dedent("""
     r = gt.compile_for_h100(lambda xq, xs, wq, ws: decode_w8a8_matmul(xq, xs, wq, ws, config=cfg),
                             S((m, k), jnp.float8_e4m3fn), S((m, k // 128), jnp.float32),
                             S((n, k), jnp.float8_e4m3fn), S((n // 128, k // 128), jnp.float32), dump_dir=sys.argv[1])
+    from fp8rl_jax.sass import sass_of_ptx
     ptx, report = kr.find_kernel_ptx(sys.argv[1])
-    rec = kr.decode_kernel_record("decode_gemm_8b_qkv_m1", n, k, m, ptx, report, cfg=cfg)
+    rec = kr.decode_kernel_record("decode_gemm_8b_qkv_m1", n, k, m, ptx, report, cfg=cfg, sass=sass_of_ptx(ptx))
     # the prefill GEMM at the same N x K, M = 4096, its default configuration
     from fp8rl_jax.kernels.mosaic_gemm import default_config, mosaic_w8a8_matmul
     pm = 4096
@@ -298,7 +380,7 @@ _COMPILE = textwrap.dedent("""
                         S((pm, k), jnp.float8_e4m3fn), S((pm, k // 128), jnp.float32),
                         S((n, k), jnp.float8_e4m3fn), S((n // 128, k // 128), jnp.float32), dump_dir=sys.argv[1] + "/p")
     ptx, report = kr.find_kernel_ptx(sys.argv[1] + "/p", kr.PREFILL_KERNEL_NAME)
-    prec = kr.prefill_kernel_record("prefill_gemm_8b_qkv_m4096", n, k, pm, ptx, report, pcfg)
+    prec = kr.prefill_kernel_record("prefill_gemm_8b_qkv_m4096", n, k, pm, ptx, report, pcfg, sass=sass_of_ptx(ptx))
     print(json.dumps({"record": rec, "prefill": prec, "forms": r.gemm_instruction_counts,
                       "compile_s": round(r.compile_s, 1)}))
 """)
@@ -320,7 +402,10 @@ def test_sm90a_decode_gemm_loop_reads_under_the_limit(tmp_path):
           f"step, {rec['loop_instructions_per_weight_byte']} per weight byte, {rec['registers']} registers")
     assert rec["wgmma"] == [WGMMA_M1]
     assert out["forms"] == {WGMMA_M1: 4}  # 4 x k32 per 128-wide K block, all of them in the loop
-    assert rec["loop_instructions"] > 4 * 2  # at least the wgmma and their predicates: the loop was found
+    # the SASS loop (make setup-cuda installs nvdisasm): 4 FP8 QGMMA per K block, the first from a zero accumulator
+    assert rec["loop_code"] == "sass" and rec["sass_gmma"] == ["QGMMA.64x8x32.F32.E4M3.E4M3"]
+    assert rec["zero_accumulate_gmma"] == 1
+    assert 4 < rec["loop_instructions"] <= rec["ptx_loop_instructions"]
     assert rec["loop_instructions_per_weight_byte"] <= kr.MAX_LOOP_INSTRUCTIONS_PER_WEIGHT_BYTE
     assert rec["spills"] == 0 and rec["registers"] > 0
     kr.check_roofline([rec])
@@ -330,5 +415,9 @@ def test_sm90a_decode_gemm_loop_reads_under_the_limit(tmp_path):
           f"cycles {prec['issue_per_mma_cycles']}, {prec['registers']} registers")
     assert prec["wgmma"] == ["wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3"]
     assert 64 < prec["loop_instructions"] and 0 < prec["issue_per_mma_cycles"] < 1  # 64 promotion FMAs at least
+    # ptxas folds the PTX's zeroing of the fresh accumulator (64 mov per thread) into the first QGMMA's
+    # zero-accumulate form: one per K block, and the SASS loop is shorter than the PTX loop by at least half of them
+    assert prec["sass_gmma"] == ["QGMMA.64x128x32.F32.E4M3.E4M3"] and prec["zero_accumulate_gmma"] == 1
+    assert prec["loop_instructions"] <= prec["ptx_loop_instructions"] - 32
     assert prec["spills"] == 0 and prec["registers"] > 0 and prec["grid"] == [32, 48]
     kr.check_roofline([prec])
