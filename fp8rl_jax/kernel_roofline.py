@@ -66,6 +66,8 @@ DECODE_KERNEL_NAME = "fp8_decode_gemm_swapab_wgmma"
 #: the Mosaic GPU kernel name of the dense prefill GEMM (:mod:`fp8rl_jax.kernels.mosaic_gemm`; its persistent-grid
 #: configuration adds ``_persistent``)
 PREFILL_KERNEL_NAME = "fp8_blockwise_gemm_wgmma"
+#: the Mosaic GPU kernel name of the grouped (MoE expert) decode GEMM (:mod:`fp8rl_jax.kernels.decode_grouped_mgpu`)
+GROUPED_DECODE_KERNEL_NAME = "fp8_grouped_decode_gemm_swapab_wgmma"
 #: dense FP8 tensor-core FLOP per cycle of one Hopper SM (H100 SXM: 1,979 TFLOP/s / 132 SMs / 1.83 GHz)
 FP8_MMA_FLOP_PER_CYCLE_PER_SM = 8192
 #: warp schedulers per SM, each issuing one warp-instruction per cycle
@@ -154,7 +156,8 @@ def find_kernel_ptx(dump_dir: str, kernel_name: str = DECODE_KERNEL_NAME) -> tup
 
 
 def decode_kernel_record(name: str, n: int, k: int, m: int, ptx: str, ptxas_report: str, cfg=None,
-                         projection: str = "", sass: str | None = None) -> dict:
+                         projection: str = "", sass: str | None = None, roofline=None,
+                         kernel: str = DECODE_KERNEL_NAME) -> dict:
     """The roofline record of one compiled decode GEMM (:mod:`fp8rl_jax.kernels.decode_gemm_mgpu`).
 
     Args:
@@ -165,6 +168,8 @@ def decode_kernel_record(name: str, n: int, k: int, m: int, ptx: str, ptxas_repo
         ``choose_config(n, k, m)``: what ``decode_w8a8_matmul`` ships when given no config).
       projection: words for the shape (``"Qwen3-8B qkv"``).
       sass: the kernel's SASS (:func:`fp8rl_jax.sass.sass_of_ptx` of ``ptx``), or None (then the PTX's count).
+      roofline: the configuration's :class:`~fp8rl_jax.kernels.decode_gemm_mgpu.Roofline` (default ``roofline(cfg,
+        n, k, m)``, the dense kernel's); kernel: the Mosaic GPU kernel's name (its ptxas entry).
 
     Returns:
       ``{"name", "kernel", "shape": {"projection", "n", "k"}, "m", "config", "grid", "wave_efficiency",
@@ -184,12 +189,12 @@ def decode_kernel_record(name: str, n: int, k: int, m: int, ptx: str, ptxas_repo
     from fp8rl_jax.kernels import decode_gemm_mgpu as dg
 
     cfg = cfg or dg.choose_config(n, k, m)
-    r = dg.roofline(cfg, n, k, m)
+    r = roofline or dg.roofline(cfg, n, k, m)
     lr = loop_reading(ptx, sass)
-    entry = f"{DECODE_KERNEL_NAME}_mosaic_gpu_kernel"
+    entry = f"{kernel}_mosaic_gpu_kernel"
     info = parse_ptxas_info(ptxas_report).get(entry) or parse_ptxas_info(ptxas_report).get(wgmma_loop(ptx).entry)
     regs = info["registers"] if info and info["registers"] >= 0 else None
-    return {"name": name, "kernel": DECODE_KERNEL_NAME, "shape": {"projection": projection, "n": n, "k": k},
+    return {"name": name, "kernel": kernel, "shape": {"projection": projection, "n": n, "k": k},
             "m": m, "config": dataclasses.asdict(cfg), "grid": list(r.grid),
             "wave_efficiency": round(r.wave_efficiency, 4), "bytes_in_flight_per_sm": r.bytes_in_flight_per_sm,
             "loop_instructions_per_weight_byte": round(
@@ -200,6 +205,30 @@ def decode_kernel_record(name: str, n: int, k: int, m: int, ptx: str, ptxas_repo
             "spills": (info["spill_stores"] + info["spill_loads"]) if info else None,
             "spill_stores": info["spill_stores"] if info else None,
             "spill_loads": info["spill_loads"] if info else None}
+
+
+def grouped_decode_kernel_record(name: str, n: int, k: int, rows: int, ptx: str, ptxas_report: str, cfg,
+                                 projection: str = "", sass: str | None = None,
+                                 num_experts: int | None = None) -> dict:
+    """The roofline record of one compiled grouped decode GEMM (MoE experts:
+    :func:`fp8rl_jax.kernels.decode_grouped_mgpu.grouped_decode_w8a8_matmul`): :func:`decode_kernel_record`'s fields
+    (the same checks apply) for ``rows`` routed rows over ``num_experts`` experts (default Qwen3-30B-A3B's 128):
+    ``m`` is the tile's rows, and grid, wave efficiency and bytes in flight are those of the tiles expected in use
+    (:func:`~fp8rl_jax.kernels.decode_grouped_mgpu.expected_tiles`; the CTAs of unused tiles exit at once), plus
+    ``rows``, ``tiles`` (the static count) and ``tiles_expected``.
+
+    Raises:
+      ValueError: as :func:`decode_kernel_record`.
+    """
+    from fp8rl_jax.kernels import decode_grouped_mgpu as dgm
+
+    e = num_experts or dgm.EXPERTS_30B_A3B
+    m = dgm.decode_tile_rows(rows, e)
+    used = dgm.expected_tiles(rows, e, m)
+    rec = decode_kernel_record(name, n, k, m, ptx, ptxas_report, cfg=cfg, projection=projection, sass=sass,
+                               roofline=dgm.grouped_decode_roofline(cfg, n, k, m, used), kernel=dgm.KERNEL_NAME)
+    rec.update(rows=rows, tiles=dgm.decode_tiles(rows, e, m), tiles_expected=used)
+    return rec
 
 
 def prefill_kernel_record(name: str, n: int, k: int, m: int, ptx: str, ptxas_report: str, cfg,

@@ -98,6 +98,8 @@ TRAIN_COST = {"bf16": 10, "fp16": 12, "fp8": 31, "fp8_e4m3": 35, "fp8_e5m2": 63,
 KERNEL_COST = 4
 #: tokens of the decode GEMM kernel programs (``decode_gemm_*``): b=1, a small and the largest decode batch
 DECODE_GEMM_TOKENS = (1, 16, 64)
+#: routed rows of the MoE expert decode GEMM programs (``decode_experts_*``): 1 and 32 tokens at top-8
+DECODE_EXPERT_ROWS = (8, 256)
 #: tokens of the prefill GEMM kernel programs (``prefill_gemm_*``): issue 37 item 2's M
 PREFILL_GEMM_TOKENS = 4096
 
@@ -166,6 +168,15 @@ def _programs() -> list[Program]:
                                      batch=m, projection=proj, n=n, k=k, cost=KERNEL_COST,
                                      describe=f"FP8 decode GEMM (swap-AB wgmma), Qwen3-{model.upper()} {proj} "
                                               f"N={n} K={k}, M={m}, choose_config's configuration"))
+    from fp8rl_jax.kernels.decode_grouped_mgpu import QWEN3_30B_A3B_EXPERTS
+
+    for proj, n, k in QWEN3_30B_A3B_EXPERTS:
+        for rows in DECODE_EXPERT_ROWS:
+            progs.append(Program(f"decode_experts_30b_a3b_{proj}_r{rows}", "kernel", "30b-a3b", "fp8", batch=rows,
+                                 projection=proj, n=n, k=k, cost=KERNEL_COST,
+                                 describe=f"FP8 grouped decode GEMM (swap-AB wgmma per expert tile), Qwen3-30B-A3B "
+                                          f"experts' {proj} N={n} K={k}, {rows} routed rows over 128 experts "
+                                          f"({rows // 8} tokens at top-8), grouped_decode_config's configuration"))
     from fp8rl_jax.kernels.mosaic_gemm import QWEN3_8B_PREFILL
 
     for proj, n, k in QWEN3_8B_PREFILL:
@@ -237,9 +248,40 @@ def build(p: Program, layers: int):
                   fused=fused, keep_stacks=bool(cfg.num_experts))
         return _export, (params,), kw, mesh
     if p.kind == "kernel":
-        fn, args, _ = (prefill_gemm_program if p.name.startswith("prefill_gemm") else decode_gemm_program)(p)
+        fn, args, _ = kernel_program(p)
         return fn, args, {}, mesh
     raise ValueError(f"unknown program kind {p.kind!r}")
+
+
+def kernel_program(p: Program):
+    """``(fn, abstract args, config)`` of a ``kind="kernel"`` program, by its name's prefix."""
+    if p.name.startswith("prefill_gemm"):
+        return prefill_gemm_program(p)
+    if p.name.startswith("decode_experts"):
+        return decode_experts_program(p)
+    return decode_gemm_program(p)
+
+
+def decode_experts_program(p: Program):
+    """``(fn, abstract args, config)`` of a ``decode_experts_*`` program: ``grouped_decode_w8a8_matmul`` of ``R``
+    (``batch``) routed rows in the tile layout (``decode_tile_rows(R, 128)`` rows per tile, ``decode_tiles`` tiles)
+    against a ``[128, N, K]`` e4m3 expert stack, ``grouped_decode_config``'s configuration (passed explicitly)."""
+    import jax
+    import jax.numpy as jnp
+
+    from fp8rl_jax.kernels.decode_grouped_mgpu import (EXPERTS_30B_A3B, decode_tile_rows, decode_tiles,
+                                                       grouped_decode_config, grouped_decode_w8a8_matmul)
+
+    rows, n, k, e = p.batch, p.n, p.k, EXPERTS_30B_A3B
+    m = decode_tile_rows(rows, e)
+    g = decode_tiles(rows, e, m)
+    cfg = grouped_decode_config(n, k, m, rows, e)
+    s = jax.ShapeDtypeStruct
+    kb = -(-k // 128)
+    args = (s((g * m, k), jnp.float8_e4m3fn), s((g * m, kb), jnp.float32), s((e, n, k), jnp.float8_e4m3fn),
+            s((e, -(-n // 128), kb), jnp.float32), s((g,), jnp.int32))
+    return (lambda xq, xs, wq, ws, te: grouped_decode_w8a8_matmul(xq, xs, wq, ws, te, tile_rows=m, config=cfg,
+                                                                  num_rows=rows)), args, cfg
 
 
 def decode_gemm_program(p: Program):
@@ -303,6 +345,20 @@ def kernel_record(p: Program, dump: str) -> dict:
             return {"name": p.name, "kernel": PREFILL_KERNEL_NAME, "gemm": "prefill",
                     "shape": {"projection": proj, "n": p.n, "k": p.k},
                     "m": p.batch, "config": dataclasses.asdict(cfg), "spills": None,
+                    "error": f"{type(e).__name__}: {e}"}
+    if p.name.startswith("decode_experts"):
+        from fp8rl_jax.kernel_roofline import GROUPED_DECODE_KERNEL_NAME, grouped_decode_kernel_record
+
+        _, _, cfg = decode_experts_program(p)
+        try:
+            ptx, report = find_kernel_ptx(dump, GROUPED_DECODE_KERNEL_NAME)
+            return grouped_decode_kernel_record(p.name, p.n, p.k, p.batch, ptx, report, cfg,
+                                                projection=f"{proj} (experts)", sass=sass_of(ptx))
+        except (OSError, ValueError, RuntimeError) as e:
+            return {"name": p.name, "kernel": GROUPED_DECODE_KERNEL_NAME,
+                    "shape": {"projection": proj, "n": p.n, "k": p.k}, "m": p.batch,
+                    "config": dataclasses.asdict(cfg), "wave_efficiency": None, "bytes_in_flight_per_sm": None,
+                    "loop_instructions_per_weight_byte": None, "registers": None, "spills": None,
                     "error": f"{type(e).__name__}: {e}"}
     _, _, cfg = decode_gemm_program(p)
     try:

@@ -204,18 +204,21 @@ def test_choose_without_a_family_is_the_platform_branch(cpu_as_gpu, monkeypatch)
     assert "stablehlo.subtract" in _cpu_text(f, S((2,), jnp.float32))
 
 
-@pytest.mark.parametrize("family", ["quant", "decode_gemm", "grouped_experts", "fp8_kv_attention"])
+@pytest.mark.parametrize("family", ["quant", "decode_gemm", "grouped_decode", "grouped_experts", "fp8_kv_attention"])
 def test_each_kernel_selftest_passes_and_catches_a_wrong_kernel(family, monkeypatch):
-    """Every Triton family's self-test and the swap-AB decode GEMM's (in interpret mode here) passes with the real kernel and raises KernelMismatch
+    """Every Triton family's self-test and the swap-AB decode GEMMs' (dense and grouped; in interpret mode here)
+    passes with the real kernel and raises KernelMismatch
     when the kernel's result is off: scaled by 1 + 2**-12 (a wrong scale), or one e4m3 code flipped (quant). The
     ``w8a8_gemm`` family's (the Mosaic GPU GEMM) is tested in test_wgmma_paths.py."""
     from fp8rl_jax.kernels import pallas_attention, pallas_grouped, pallas_quant
-    from fp8rl_jax.kernels import decode_gemm_mgpu
+    from fp8rl_jax.kernels import decode_gemm_mgpu, decode_grouped_mgpu
 
     mod, fns = {"quant": (pallas_quant, ["_pallas_quantize_3d"]), "decode_gemm": (decode_gemm_mgpu, ["_partials"]),
+                "grouped_decode": (decode_grouped_mgpu, ["_grouped"]),
                 "grouped_experts": (pallas_grouped, ["_grouped"]),
                 "fp8_kv_attention": (pallas_attention, ["_decode", "_prefill"])}[family]
     test = {"quant": pallas_quant._selftest_quant, "decode_gemm": decode_gemm_mgpu._selftest_decode_gemm,
+            "grouped_decode": decode_grouped_mgpu._selftest_grouped_decode,
             "grouped_experts": pallas_grouped._selftest_grouped_experts,
             "fp8_kv_attention": pallas_attention._selftest_fp8_kv_attention}[family]
     assert registry._selftests[family] is test  # registered at import
@@ -238,7 +241,7 @@ def test_each_kernel_selftest_passes_and_catches_a_wrong_kernel(family, monkeypa
             # the Mosaic decode GEMM's bound is 2**-10 of each output's sum of |terms| (Hopper's FP8 wgmma), about
             # 2**-6.5 of the output itself for these K ~ 300 random products: a 2**-4 wrong scale is what it must
             # catch; the Triton kernels' bounds are tighter
-            eps = 2.0 ** -4 if family == "decode_gemm" else 2.0 ** -12
+            eps = 2.0 ** -4 if family in ("decode_gemm", "grouped_decode") else 2.0 ** -12
             return jax.tree.map(lambda y: y * (1 + eps) if y.dtype == jnp.float32 else y, out)
         return run
 
@@ -397,6 +400,7 @@ def test_moe_block_lowered_for_cuda_concatenates_no_stacks_and_scatter_adds_noth
     from fp8rl_jax.export import export_weights
     from fp8rl_jax.models.decoder import named_params
     from fp8rl_jax.models.loading import build_model
+    from fp8rl_jax.kernels.decode_grouped_mgpu import KERNEL_NAME as KERNEL_NAME_GROUPED_DECODE
     from fp8rl_jax.models.moe import SparseMoeBlock, tiny_qwen3_moe_config
 
     cfg = tiny_qwen3_moe_config(300, hidden_size=256, moe_intermediate_size=256, num_experts=4)
@@ -406,7 +410,10 @@ def test_moe_block_lowered_for_cuda_concatenates_no_stacks_and_scatter_adds_noth
     graph, state = nnx.split(block)
     fwd = lambda st, x: nnx.merge(graph, st)(x)  # noqa: E731
     text = _cuda_text(fwd, state, S((64, 256), jnp.bfloat16))
-    assert text.count("fp8_w8a8_grouped_gemm") >= 3  # gate, up, down: the grouped kernel
+    # gate, up, down: the grouped swap-AB decode kernel (64 tokens x top-2 = 128 decode-sized rows), its jitted
+    # wrapper called three times (gate and up share one lowered function: same shapes)
+    assert len(re.findall(r"call @_grouped(_\d+)?\(", text)) == 3 and KERNEL_NAME_GROUPED_DECODE in text
+    assert "fp8_w8a8_grouped_gemm" not in text  # not the Triton grouped kernel
     assert not re.search(r"stablehlo\.concatenate .*-> tensor<4x512x256xf8E4M3FN>", text)
     regions = re.findall(r'stablehlo\.scatter[^\n]*\{\n(.*?)\}', text, re.S)
     assert regions  # the inverse permutation is a scatter (of unique indices, a set)

@@ -325,7 +325,8 @@ def test_compile_h100_writes_the_kernels_list_and_table(tmp_path):
     finally:
         sys.path.remove(str(REPO / "scripts"))
     names = [n for n, p in ch.PROGRAMS.items() if p.kind == "kernel"]
-    assert len(names) == 22 and "decode_gemm_8b_qkv_m1" in names and "decode_gemm_30b_a3b_o_proj_m64" in names
+    assert len(names) == 26 and "decode_gemm_8b_qkv_m1" in names and "decode_gemm_30b_a3b_o_proj_m64" in names
+    assert "decode_experts_30b_a3b_down_r256" in names
     assert "prefill_gemm_8b_down_proj_m4096" in names
     good = dict(GOOD, shape={"projection": "Qwen3-8B qkv", "n": 6144, "k": 4096}, m=1,
                 config={"compute_wgs": 1, "stages": 8, "splits": 4}, grid=[96, 4], loop_instructions=59,

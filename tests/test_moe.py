@@ -257,10 +257,13 @@ def test_two_rl_steps_tiny_moe_fp8_rollout(tiny_moe_dir):
 # -- FP8 experts on the Mosaic GPU kernel (issue 29) ------------------------------------------------------------
 
 
-def test_fp8_experts_on_the_mosaic_kernel_match_float64_per_token_reference():
+@pytest.mark.parametrize("impl", ["mosaic", "swapab"])
+def test_fp8_experts_on_the_mosaic_kernel_match_float64_per_token_reference(impl):
     """``fp8_expert_impl="mosaic"``: the routed rows in 64-row expert tiles (3 tiles for 24 rows over 3 experts),
     quantized once per tile row in 1x128 e4m3 groups, gate / up / down as grouped Mosaic GPU GEMMs (Mosaic GPU's
-    interpreter on the CPU; on CUDA "auto" picks this path for prefill-sized row counts) == the float64 per-token
+    interpreter on the CPU; on CUDA "auto" picks this path for prefill-sized row counts); ``"swapab"``: the grouped
+    swap-AB decode GEMM on 16-row tiles (``decode_tile_rows(24, 3)``; at most 4 tiles, the unused ones skipped; on
+    CUDA "auto" picks it for decode-sized row counts). Each == the float64 per-token
     reference (tests/test_stacked_experts.py) on the same e4m3 weights and the numpy-quantized activations. Ragged:
     moe_intermediate 48 (gate / up N, down K: padded to 128). Measured ~3e-7 relative: float32 accumulation; a
     missing activation quantization, a wrong expert or scale costs percents. Router ids equal the reference's."""
@@ -280,7 +283,7 @@ def test_fp8_experts_on_the_mosaic_kernel_match_float64_per_token_reference():
         q, s = ref.quantize_blocks(w, 128, 128, formats.WEIGHT_RECIPE)
         lin.weight[...], lin.weight_scale_inv[...] = jnp.asarray(q), jnp.asarray(s)
         w64[name] = ref.dequantize_blocks(q, s, 128, 128)
-    blk.fp8_expert_impl = "mosaic"
+    blk.fp8_expert_impl = impl
     x = rng.normal(size=(12, 128)).astype(np.float32)
     out, router_ids = blk.forward(jnp.asarray(x))
 

@@ -223,7 +223,7 @@ def test_cuda_gemm_impl_is_the_one_choice_by_m():
 # ----------------------------------------------------------------------------------------------------------------
 # (b) lowering for CUDA
 
-_MOSAIC_NAME = re.compile(r"fp8_blockwise_(?:grouped_)?gemm_wgmma(?:_1d1d)?|fp8_decode_gemm_swapab_wgmma")
+_MOSAIC_NAME = re.compile(r"fp8_blockwise_(?:grouped_)?gemm_wgmma(?:_1d1d)?|fp8_(?:grouped_)?decode_gemm_swapab_wgmma")
 
 
 def _launch_kind(line: str) -> str:
@@ -322,10 +322,11 @@ def _moe_block(*, precision="fp8", e=4, seed=0):
                                rngs=nnx.Rngs(seed))
 
 
-def test_moe_experts_lower_to_mosaic_for_prefill_and_triton_for_decode():
+def test_moe_experts_lower_to_mosaic_for_prefill_and_swapab_for_decode():
     """FP8 experts ("auto") lowered for CUDA: 128 tokens x top-2 = 256 routed rows over 4 experts (padding bound
     4 x 63 = 252 <= 256) take three Mosaic grouped GEMMs on 64-row tiles (gate, up, down; no Triton); 8 tokens take
-    the Triton grouped kernel (three launches, no Mosaic)."""
+    the grouped swap-AB Mosaic decode GEMM (three launches, e4m3 x e4m3 operands, no Triton); with
+    ``fp8_expert_impl="pallas"`` the Triton grouped kernel."""
     from flax import nnx
 
     from fp8rl_jax.models.moe import grouped_expert_kernel
@@ -344,6 +345,15 @@ def test_moe_experts_lower_to_mosaic_for_prefill_and_triton_for_decode():
     assert launches(hlo) == collections.Counter({"mosaic:fp8_blockwise_grouped_gemm_wgmma": 3}), launches(hlo)
     assert all(t.count("f8E4M3FN") == 2 for t in mosaic_operand_types(hlo))
     hlo = _cuda(fwd, st, S((8, cfg.hidden_size), jnp.bfloat16))
+    assert launches(hlo) == collections.Counter({"mosaic:fp8_grouped_decode_gemm_swapab_wgmma": 3}), launches(hlo)
+    assert all(t.count("f8E4M3FN") == 2 for t in mosaic_operand_types(hlo))
+    blk.fp8_expert_impl = "pallas"
+    graph, state = nnx.split(blk)
+
+    def fwd_triton(s, x):
+        return nnx.merge(graph, s).forward(x)[0]
+
+    hlo = _cuda(fwd_triton, st, S((8, cfg.hidden_size), jnp.bfloat16))
     assert launches(hlo) == collections.Counter({"triton:fp8_w8a8_grouped_gemm": 3}), launches(hlo)
 
 

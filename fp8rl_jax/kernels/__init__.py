@@ -15,8 +15,10 @@ one module per kernel. Importing this package imports none of them (kernels buil
 * :mod:`~fp8rl_jax.kernels.pallas_quant`: blockwise e4m3 quantization (weights 128x128, activations 1x128) and the
   batched export quantizer, with a ``main`` that times it against XLA's jnp quantizers;
 * :mod:`~fp8rl_jax.kernels.timing`: the ``main`` functions' jitted timing loop and table;
-* :mod:`~fp8rl_jax.kernels.pallas_grouped`: the grouped W8A8 MoE expert GEMM (decode-sized routed rows), with a
-  timing ``main``;
+* :mod:`~fp8rl_jax.kernels.decode_grouped_mgpu`: the grouped swap-AB W8A8 decode GEMM for MoE experts
+  (decode-sized routed rows in tiles of one expert, unused tiles skipped; Mosaic GPU, FP8 wgmma);
+* :mod:`~fp8rl_jax.kernels.pallas_grouped`: the Pallas-Triton grouped W8A8 MoE expert GEMM (``expert_impl="pallas"``,
+  and decode-sized e5m2 experts), with a timing ``main``;
 * :mod:`~fp8rl_jax.kernels.pallas_attention`: decode and prefill attention reading the e4m3 KV cache, with a timing
   ``main`` (decode);
 * :mod:`~fp8rl_jax.kernels.pallas_decode`, :mod:`~fp8rl_jax.kernels.pallas_gemm`: see below.

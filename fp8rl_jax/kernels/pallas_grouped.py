@@ -52,7 +52,8 @@ def tile_schedule(group_sizes: jax.Array, bm: int, max_tiles: int) -> tuple[jax.
     first = last - ntiles
     idx = jnp.arange(max_tiles, dtype=jnp.int32)
     # group of slot i: the number of groups whose tiles all come before i (groups with no tiles are skipped)
-    g = jnp.clip(jnp.searchsorted(last, idx, side="right"), 0, e - 1).astype(jnp.int32)
+    method = "compare_all" if e * max_tiles <= 1 << 24 else "scan"  # no while loop of launches at these sizes
+    g = jnp.clip(jnp.searchsorted(last, idx, side="right", method=method), 0, e - 1).astype(jnp.int32)
     local = idx - first[g]
     valid = (local < ntiles[g]) & (idx < jnp.sum(ntiles))
     start = jnp.where(valid, starts[g] + local * bm, 0).astype(jnp.int32)

@@ -43,7 +43,9 @@ FAMILIES = {
     "quant": "Pallas blockwise e4m3 quantization (weights 128x128, activations 1x128)",
     "w8a8_gemm": "Mosaic GPU wgmma W8A8 blockwise FP8 GEMM (dense M > 64, MoE prefill, FP8 training)",
     "decode_gemm": "Mosaic GPU swap-AB split-K W8A8 decode GEMM (M <= 64, fp8rl_jax.kernels.decode_gemm_mgpu)",
-    "grouped_experts": "Pallas-Triton grouped W8A8 MoE expert GEMM (decode-sized routed rows)",
+    "grouped_experts": "Pallas-Triton grouped W8A8 MoE expert GEMM (explicit expert_impl='pallas'; e5m2 experts)",
+    "grouped_decode": "Mosaic GPU swap-AB grouped W8A8 MoE expert GEMM (decode-sized routed rows, "
+                      "fp8rl_jax.kernels.decode_grouped_mgpu)",
     "fp8_kv_attention": "Pallas decode attention reading the e4m3 KV cache",
     "cudnn_attention": "cuDNN flash attention (jax.nn.dot_product_attention implementation='cudnn')",
 }

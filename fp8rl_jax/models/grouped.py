@@ -106,6 +106,20 @@ def prefer_tiled(num_rows: int, num_groups: int, tile_rows: int, n: int, k: int)
     return tiled < expanded
 
 
+#: the most comparisons :func:`searchsorted_right` does as one broadcast compare (``method="compare_all"``)
+COMPARE_ALL_LIMIT = 1 << 24
+
+
+def searchsorted_right(sorted_seq: jax.Array, queries: jax.Array) -> jax.Array:
+    """``jnp.searchsorted(sorted_seq, queries, side="right")`` (int32, same result) with the method chosen by size:
+    ``"compare_all"`` (one fused compare-and-count over ``len(seq) x len(queries)``) up to
+    :data:`COMPARE_ALL_LIMIT` comparisons, else the default ``"scan"``. The default is a ``while`` loop of
+    ``log2(len(seq))`` steps, each several kernel launches on a GPU (a decode step's MoE tile layout held two such
+    loops per layer); the sizes here (experts x tiles or rows) make the comparison one small kernel."""
+    method = "compare_all" if sorted_seq.shape[0] * queries.size <= COMPARE_ALL_LIMIT else "scan"
+    return jnp.searchsorted(sorted_seq, queries, side="right", method=method).astype(jnp.int32)
+
+
 def tile_layout(group_sizes: jax.Array, num_rows: int, tile_rows: int) -> TileLayout:
     """The tile layout of ``R`` rows sorted by group (``group_sizes[e]`` rows of group ``e``, in order).
 
@@ -130,8 +144,7 @@ def tile_layout(group_sizes: jax.Array, num_rows: int, tile_rows: int) -> TileLa
     tile_end = jnp.cumsum(tiles)                       # [E] exclusive end tile of each group
     tile_start = tile_end - tiles
     row_start = jnp.cumsum(sizes) - sizes              # [E] first sorted row of each group
-    tile_group = jnp.minimum(jnp.searchsorted(tile_end, jnp.arange(g, dtype=jnp.int32), side="right"),
-                             e - 1).astype(jnp.int32)
+    tile_group = jnp.minimum(searchsorted_right(tile_end, jnp.arange(g, dtype=jnp.int32)), e - 1).astype(jnp.int32)
     slot = jnp.arange(g * m, dtype=jnp.int32)
     t = slot // m
     grp = tile_group[t]
@@ -139,7 +152,7 @@ def tile_layout(group_sizes: jax.Array, num_rows: int, tile_rows: int) -> TileLa
     valid = (t < tile_end[-1]) & (rank < sizes[grp])
     slot_row = jnp.where(valid, row_start[grp] + rank, 0).astype(jnp.int32)
     r = jnp.arange(num_rows, dtype=jnp.int32)
-    row_grp = jnp.minimum(jnp.searchsorted(jnp.cumsum(sizes), r, side="right"), e - 1)
+    row_grp = jnp.minimum(searchsorted_right(jnp.cumsum(sizes), r), e - 1)
     row_slot = (tile_start[row_grp] * m + r - row_start[row_grp]).astype(jnp.int32)
     return TileLayout(slot_row, valid, tile_group, row_slot)
 

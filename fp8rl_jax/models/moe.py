@@ -49,8 +49,11 @@ the program is lowered for CUDA the experts read the e4m3 stacks as they are (ga
 per-call concatenation of the stacks), in the kernel that :func:`grouped_expert_kernel` picks by the routed row
 count (the one place; each kernel behind ``choose`` with its own family): prefill-sized counts take the Mosaic GPU FP8
 wgmma GEMM on the tile layout (:func:`fp8rl_jax.kernels.mosaic_gemm.mosaic_grouped_w8a8_matmul`, tiles of 64 or 128
-rows, activations quantized once per tile row in 1x128 groups; family ``w8a8_gemm``), decode-sized ones the Triton
-grouped kernel (:func:`fp8rl_jax.kernels.pallas_grouped.grouped_w8a8_matmul`, 16-row tiles, empty ones skipped; family
+rows, activations quantized once per tile row in 1x128 groups; family ``w8a8_gemm``), decode-sized ones the grouped
+swap-AB Mosaic GPU decode GEMM (:func:`fp8rl_jax.kernels.decode_grouped_mgpu.grouped_decode_w8a8_matmul`: tiles of 8
+to 64 rows of one expert, the expert's weight as wgmma's A operand, split-K, unused tiles skipped, activations
+quantized once per layer; family ``grouped_decode``; e4m3 stacks) or, for other FP8 formats, the Triton grouped kernel
+(:func:`fp8rl_jax.kernels.pallas_grouped.grouped_w8a8_matmul`, 16-row tiles, empty ones skipped; family
 ``grouped_experts``). Each token's k expert
 outputs are summed by :func:`fp8rl_jax.models.grouped.combine_top_k` (a gather and one reduction), not by a
 scatter-add, so the result (and the logprobs) do not change from run to run on a GPU, where a scatter-add is atomic. The router always stays dense in ``param_dtype`` (bf16 in rollout), as
@@ -84,6 +87,8 @@ from fp8rl_jax.fp8.formats import ACTIVATION_RECIPE
 from fp8rl_jax.kernels.registry import choose, run_pallas
 from fp8rl_jax.kernels.mosaic_gemm import WG_ROWS, mosaic_grouped_w8a8_matmul
 from fp8rl_jax.kernels.pallas_grouped import grouped_w8a8_matmul  # registers the grouped_experts family's self-test
+from fp8rl_jax.kernels.decode_grouped_mgpu import (decode_tile_rows, decode_tiles,  # and grouped_decode's
+                                                   grouped_decode_w8a8_matmul)
 from fp8rl_jax.fp8.quant import _quantize_groups
 from fp8rl_jax.models.config import ModelConfig
 from fp8rl_jax.models.experts import StackedExperts
@@ -180,14 +185,15 @@ def grouped_expert_kernel(num_rows: int, num_experts: int) -> int | None:
     """Which kernel FP8 experts run where the program is lowered for CUDA, by the routed row count: the one place.
 
     Returns the tile edge ``m`` of the Mosaic GPU path (:func:`fp8rl_jax.kernels.mosaic_gemm.mosaic_grouped_w8a8_matmul`
-    on the tile layout), or None for the Triton grouped kernel (:func:`fp8rl_jax.kernels.pallas_grouped.
-    grouped_w8a8_matmul`). The Mosaic grid is static: ``G = floor((R + E (m - 1)) / m)`` tiles of ``m`` rows, each
-    a CTA row that streams its expert's weight and runs its wgmma whether its rows are real or padding (at most
-    ``E (m - 1)`` of them). So ``m`` is the largest of :data:`MOSAIC_TILE_ROWS` whose worst-case padding is at most
-    the routed rows themselves (``E (m - 1) <= R``: at most twice the rows' work); when not even ``m = 64`` meets
-    that (decode: at Qwen3-30B-A3B, E = 128, fewer than 8064 routed rows, ~1000 tokens at top-8) the Triton kernel
-    keeps the rows in 16-row tiles and skips the empty ones. Element counts, not a timing (no GPU here): tune the
-    crossover on the device.
+    on the tile layout), or None for the decode-sized kernels (the grouped swap-AB Mosaic GPU decode GEMM,
+    :func:`fp8rl_jax.kernels.decode_grouped_mgpu.grouped_decode_w8a8_matmul`, for e4m3 stacks; else the Triton
+    grouped kernel, :func:`fp8rl_jax.kernels.pallas_grouped.grouped_w8a8_matmul`). The Mosaic grid is static:
+    ``G = floor((R + E (m - 1)) / m)`` tiles of ``m`` rows, each a CTA row that streams its expert's weight and runs
+    its wgmma whether its rows are real or padding (at most ``E (m - 1)`` of them). So ``m`` is the largest of
+    :data:`MOSAIC_TILE_ROWS` whose worst-case padding is at most the routed rows themselves (``E (m - 1) <= R``: at most twice the rows' work); when not even ``m = 64`` meets
+    that (decode: at Qwen3-30B-A3B, E = 128, fewer than 8064 routed rows, ~1000 tokens at top-8) the decode kernels
+    keep the rows in small tiles (8-64 rows; Triton: 16) and skip the unused ones. Element counts, not a timing (no
+    GPU here): tune the crossover on the device.
 
     Args:
       num_rows: ``R = tokens * top_k`` (static). num_experts: ``E``.
@@ -235,10 +241,10 @@ class SparseMoeBlock(nnx.Module):
 
     #: FP8 experts: ``"auto"`` (where the program is lowered for CUDA the kernel of :func:`grouped_expert_kernel`,
     #: the XLA path below elsewhere: :func:`fp8rl_jax.kernels.registry.choose`, family ``w8a8_gemm`` or
-    #: ``grouped_experts`` as that kernel is), ``"pallas"``
+    #: ``grouped_decode`` or ``grouped_experts`` as that kernel is), ``"pallas"``
     #: (always the Triton grouped kernel), ``"mosaic"`` (always the Mosaic GPU kernel on 64-row tiles or
-    #: :func:`grouped_expert_kernel`'s; both: interpret mode where not lowered for CUDA) or ``"ragged_dot"`` (never
-    #: a kernel).
+    #: :func:`grouped_expert_kernel`'s), ``"swapab"`` (always the grouped swap-AB decode kernel; all three: interpret
+    #: mode where not lowered for CUDA) or ``"ragged_dot"`` (never a kernel).
     fp8_expert_impl: str = "auto"
 
     def _fp8_stacks(self):
@@ -278,6 +284,52 @@ class SparseMoeBlock(nnx.Module):
         g = gemm(xq, xs, qg, sg, jnp.float32)
         u = gemm(xq, xs, qu, su, jnp.float32)
         h = jax.nn.silu(g.astype(self.dtype)) * u.astype(self.dtype)
+        hq, hs = quant(h)
+        y = gemm(hq, hs, qd, sd, self.dtype)
+        y = y[lay.row_slot] * weights.reshape(-1)[order][:, None]  # sorted rows
+        return combine_top_k(y, order, self.top_k)
+
+    def _swapab_experts(self, xt, weights, order, group_sizes, *, interpret=None) -> jax.Array:
+        """FP8 experts at decode-sized row counts with the grouped swap-AB Mosaic GPU kernel
+        (:func:`fp8rl_jax.kernels.decode_grouped_mgpu.grouped_decode_w8a8_matmul`) on the tile layout.
+
+        ``xt [T, hidden]``, ``weights [T, k]``, ``order [T*k]`` (pairs sorted by expert), ``group_sizes [E]`` ->
+        ``[T, hidden]`` in ``dtype``. The ``R = T*k`` routed rows go into tiles of ``m`` rows
+        (:func:`~fp8rl_jax.kernels.decode_grouped_mgpu.decode_tile_rows`: 8 at decode) of one expert each, at most
+        :func:`~fp8rl_jax.kernels.decode_grouped_mgpu.decode_tiles` of them; tiles past the used ones are marked
+        ``-1`` and the kernel skips them (no weight of an expert without rows is read). The rows are quantized once
+        in 1x128 e4m3 groups (vLLM ``QuantFP8`` native rounding), gate and up read those same e4m3 rows, the SwiGLU
+        output is quantized the same way for down, and each routed row's output is gathered back from its slot:
+        the numerics of :meth:`_mosaic_experts` per row.
+
+        Args:
+          interpret: None (compiled where lowered for CUDA, Mosaic GPU's interpreter elsewhere), True or False.
+        """
+        t, hidden = xt.shape
+        rows = t * self.top_k
+        m = decode_tile_rows(rows, self.num_experts)
+        g = decode_tiles(rows, self.num_experts, m)
+        lay = tile_layout(group_sizes, rows, m)
+        used = jnp.sum((group_sizes.astype(jnp.int32) + m - 1) // m)
+        tile_expert = jnp.where(jnp.arange(g) < used, lay.tile_group[:g], -1).astype(jnp.int32)
+        valid = lay.valid[:g * m]
+        token = order[lay.slot_row[:g * m]] // self.top_k
+        x = jnp.where(valid[:, None], xt[token], jnp.zeros((), xt.dtype))  # [G*m, hidden]
+        (qg, sg), (qu, su), (qd, sd) = self._fp8_stacks()
+        bs = self.experts.gate_proj.block_size
+
+        def quant(v):
+            return _quantize_groups(v, group_size=bs, ue8m0=False, fp8_dtype=jnp.dtype(qg.dtype),
+                                    fp8_max=float(jnp.finfo(qg.dtype).max), recipe=ACTIVATION_RECIPE)
+
+        def gemm(aq, a_s, wq, ws, out_dtype):
+            return run_pallas(grouped_decode_w8a8_matmul, aq, a_s, wq, ws, tile_expert, interpret=interpret,
+                              tile_rows=m, out_dtype=out_dtype, num_rows=rows)
+
+        xq, xs = quant(x)
+        gt = gemm(xq, xs, qg, sg, jnp.float32)
+        u = gemm(xq, xs, qu, su, jnp.float32)
+        h = jax.nn.silu(gt.astype(self.dtype)) * u.astype(self.dtype)
         hq, hs = quant(h)
         y = gemm(hq, hs, qd, sd, self.dtype)
         y = y[lay.row_slot] * weights.reshape(-1)[order][:, None]  # sorted rows
@@ -460,8 +512,9 @@ class SparseMoeBlock(nnx.Module):
         The one place the expert kernel is chosen (:attr:`fp8_expert_impl`, :func:`grouped_expert_kernel`)."""
         args = (xt, weights, order, group_sizes)
         impl = self.fp8_expert_impl
-        if impl not in ("auto", "pallas", "mosaic", "ragged_dot"):
-            raise ValueError(f"fp8_expert_impl must be 'auto', 'pallas', 'mosaic' or 'ragged_dot', got {impl!r}")
+        if impl not in ("auto", "pallas", "mosaic", "swapab", "ragged_dot"):
+            raise ValueError(f"fp8_expert_impl must be 'auto', 'pallas', 'mosaic', 'swapab' or 'ragged_dot', got "
+                             f"{impl!r}")
         if self.precision != "fp8" or impl == "ragged_dot":
             out = self._xla_experts(*args)
         elif impl == "pallas":
@@ -469,13 +522,23 @@ class SparseMoeBlock(nnx.Module):
         elif impl == "mosaic":
             m = grouped_expert_kernel(order.shape[0], self.num_experts) or MOSAIC_TILE_ROWS[-1]
             out = self._mosaic_experts(*args, tile_rows=m)
+        elif impl == "swapab":
+            out = self._swapab_experts(*args)
         elif (m := grouped_expert_kernel(order.shape[0], self.num_experts)) is not None:
             # prefill-sized row counts: the Mosaic GPU kernel on m-row tiles (its family: w8a8_gemm)
             out = choose("w8a8_gemm", *args, kernel=functools.partial(self._mosaic_experts, tile_rows=m,
                                                                          interpret=False), xla=self._xla_experts)
-        else:  # decode-sized: the Triton grouped kernel
+        elif self._swapab_ok():  # decode-sized e4m3 experts: the grouped swap-AB Mosaic GPU kernel (issue 37)
+            out = choose("grouped_decode", *args, kernel=functools.partial(self._swapab_experts, interpret=False),
+                         xla=self._xla_experts)
+        else:  # decode-sized, other FP8 formats: the Triton grouped kernel
             out = choose("grouped_experts", *args, kernel=self._triton_experts, xla=self._xla_experts)
         return out
+
+    def _swapab_ok(self) -> bool:
+        """Whether the grouped swap-AB kernel takes these experts: e4m3 stacks in 128x128 blocks (vLLM's W8A8)."""
+        p = self.experts.gate_proj
+        return p.block_size == 128 and jnp.dtype(p.weight.dtype) == jnp.dtype(jnp.float8_e4m3fn)
 
     def _triton_experts(self, xt, weights, order, group_sizes) -> jax.Array:
         """FP8 experts with the Triton grouped W8A8 kernel (:meth:`_fp8_grouped_experts`), combined per token."""
@@ -502,16 +565,17 @@ class SparseMoeBlock(nnx.Module):
 
 
 #: ``expert_impl`` values of :func:`set_expert_impl` (engine and trainer)
-EXPERT_IMPLS = ("auto", "pallas", "mosaic", "tiled", "ragged_dot")
+EXPERT_IMPLS = ("auto", "pallas", "mosaic", "swapab", "tiled", "ragged_dot")
 
 
 def set_expert_impl(model: nnx.Module, impl: str) -> str:
     """Set how every :class:`SparseMoeBlock` of ``model`` runs its experts; returns ``impl``.
 
     ``"auto"``: FP8 experts take a kernel where the program is lowered for CUDA (:func:`fp8rl_jax.kernels.registry.choose`;
-    :func:`grouped_expert_kernel`: Mosaic GPU for prefill-sized row counts, Triton for decode-sized ones), and
-    otherwise tiles or ``ragged_dot``, whichever moves fewer elements; ``"pallas"`` / ``"mosaic"``: FP8 experts always
-    take the Triton / the Mosaic GPU kernel (interpret mode where not lowered for CUDA); ``"tiled"`` /
+    :func:`grouped_expert_kernel`: the Mosaic GPU GEMM for prefill-sized row counts, the grouped swap-AB Mosaic GPU
+    decode GEMM for decode-sized ones (e4m3; Triton for other formats)), and otherwise tiles or ``ragged_dot``,
+    whichever moves fewer elements; ``"pallas"`` / ``"mosaic"`` / ``"swapab"``: FP8 experts always take the Triton /
+    the Mosaic GPU / the grouped swap-AB kernel (interpret mode where not lowered for CUDA); ``"tiled"`` /
     ``"ragged_dot"``: never a kernel, that XLA path.
 
     Raises:
@@ -521,7 +585,7 @@ def set_expert_impl(model: nnx.Module, impl: str) -> str:
         raise ValueError(f"expert_impl={impl!r} is not one of {EXPERT_IMPLS}")
     for _, mod in nnx.iter_modules(model):
         if isinstance(mod, SparseMoeBlock):
-            mod.fp8_expert_impl = impl if impl in ("auto", "pallas", "mosaic") else "ragged_dot"
+            mod.fp8_expert_impl = impl if impl in ("auto", "pallas", "mosaic", "swapab") else "ragged_dot"
             mod.grouped_impl = impl if impl in ("tiled", "ragged_dot") else "auto"
     return impl
 
@@ -538,7 +602,8 @@ class _LocalExperts:
 
 
 for _name in ("_run_experts", "_xla_experts", "_training_tiled", "_grouped_impl", "_tiled_experts", "_tile_proj",
-              "_tile_rows", "_act_in", "_triton_experts", "_fp8_grouped_experts", "_mosaic_experts", "_fp8_stacks"):
+              "_tile_rows", "_act_in", "_triton_experts", "_fp8_grouped_experts", "_mosaic_experts", "_fp8_stacks",
+              "_swapab_experts", "_swapab_ok"):
     setattr(_LocalExperts, _name, getattr(SparseMoeBlock, _name))
 
 

@@ -147,8 +147,9 @@ class JaxRolloutEngine:
         (tests). A bf16 cache always takes the materialized path.
       expert_impl: Qwen3-MoE experts (:class:`fp8rl_jax.models.moe.SparseMoeBlock`, its ``EXPERT_IMPLS``):
         ``"auto"`` (FP8: the grouped kernels where lowered for CUDA, the Mosaic GPU wgmma one for prefill-sized
-        tiles and the Pallas-Triton one for decode; otherwise tiles or ``ragged_dot``, whichever moves fewer
-        elements), ``"pallas"`` (FP8: always the Pallas-Triton kernel), ``"mosaic"`` (FP8: always the Mosaic GPU
+        tiles and the grouped swap-AB Mosaic GPU one for decode (e4m3; Pallas-Triton for e5m2); otherwise tiles or
+        ``ragged_dot``, whichever moves fewer elements), ``"pallas"`` (FP8: always the Pallas-Triton kernel),
+        ``"mosaic"`` (FP8: always the Mosaic GPU GEMM), ``"swapab"`` (FP8: always the grouped swap-AB decode
         kernel), ``"tiled"`` or ``"ragged_dot"`` (never a kernel, that XLA path).
       moe_dispatch: on a ``mesh`` with ``expert > 1``: ``"auto"`` / ``"all_to_all"`` (expert parallelism, each
         device runs its ``E / expert`` experts on the rows sent to it, :mod:`fp8rl_jax.models.expert_parallel`) or

@@ -171,7 +171,7 @@ class TrainConfig:
         (:data:`fp8rl_jax.kernels.pallas_attention.KV_ATTENTION_IMPLS`: ``"auto"``, ``"materialize"``, ``"pallas"``,
         ``"interpret"``).
       expert_impl: Qwen3-MoE experts in the engine and the trainer (:data:`fp8rl_jax.models.moe.EXPERT_IMPLS`:
-        ``"auto"``, ``"pallas"``, ``"mosaic"``, ``"tiled"``, ``"ragged_dot"``;
+        ``"auto"``, ``"pallas"``, ``"mosaic"``, ``"swapab"``, ``"tiled"``, ``"ragged_dot"``;
         :func:`fp8rl_jax.models.moe.set_expert_impl`).
       logprobs_chunk_size: positions per chunk of the logprob/entropy computation (never a ``[B, T, vocab]``
         float32 array; :func:`fp8rl_jax.trainer.logprobs.token_logprobs`); None = all at once.
