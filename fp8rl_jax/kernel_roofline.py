@@ -99,33 +99,43 @@ def loop_instructions_per_weight_byte(loop_instructions: int, compute_wgs: int, 
     return loop_instructions * WARPS_PER_WARPGROUP * compute_wgs / (cta_n * k_block)
 
 
-def loop_reading(ptx: str, sass: str | None) -> dict:
+def loop_reading(ptx: str, sass: str | None, mma_per_step: int = 4) -> dict:
     """What one K-loop iteration of a compiled kernel issues, per thread (PTX) or per warp (SASS), as record fields.
 
     Args:
       ptx: the kernel's PTX (its loop: :func:`fp8rl_jax.gpu_dump.wgmma_loop`).
       sass: the SASS ptxas builds from that PTX (:func:`fp8rl_jax.sass.sass_of_ptx`), or None where no
         ``nvdisasm`` is installed.
+      mma_per_step: the warpgroup MMAs of one step of the kernel's K loop (4 x k32 per 128-wide K block, times the
+        K blocks per step).
 
     Returns:
-      ``{"loop_instructions", "loop_code", "ptx_loop_instructions", "wgmma", "sass_gmma", "zero_accumulate_gmma"}``:
-      ``loop_instructions`` is the SASS loop's count (:func:`fp8rl_jax.sass.gmma_loop`: what runs; ``loop_code``
-      ``"sass"``) when ``sass`` is given, else the PTX loop's (``"ptx"``; an upper reading: ptxas removes, e.g., the
-      zeroing of a fresh wgmma accumulator, which becomes the instruction's zero-accumulate form); the PTX count
-      always; ``wgmma`` the PTX loop's wgmma forms; ``sass_gmma`` the SASS loop's warpgroup MMA opcodes (distinct,
-      sorted) and ``zero_accumulate_gmma`` how many of its MMAs start from a zero accumulator (None without SASS).
+      ``{"loop_instructions", "loop_code", "ptx_loop_instructions", "wgmma", "sass_gmma", "sass_loop_mma",
+      "sass_loop_steps", "zero_accumulate_gmma"}``: ``loop_instructions`` is the SASS loop's count per step
+      (:func:`fp8rl_jax.sass.gmma_loop`: what runs; ``loop_code`` ``"sass"``; divided by ``sass_loop_steps`` =
+      the loop's MMAs (``sass_loop_mma``) / ``mma_per_step``, should ptxas unroll the loop) when ``sass`` is given,
+      else the PTX loop's (``"ptx"``; an upper reading: ptxas removes, e.g., the zeroing of a fresh wgmma
+      accumulator, which becomes the instruction's zero-accumulate form); the PTX count always; ``wgmma`` the PTX
+      loop's wgmma forms; ``sass_gmma`` the SASS loop's warpgroup MMA opcodes (distinct, sorted) and
+      ``zero_accumulate_gmma`` how many of its MMAs start from a zero accumulator (None without SASS).
 
     Raises:
-      ValueError: no wgmma loop in the PTX, or no warpgroup-MMA loop in the SASS.
+      ValueError: no wgmma loop in the PTX, no warpgroup-MMA loop in the SASS, or a SASS loop whose MMA count is
+        not a whole number of steps (not the K loop).
     """
     loop = wgmma_loop(ptx)
     out = {"loop_instructions": loop.instructions, "loop_code": "ptx", "ptx_loop_instructions": loop.instructions,
            "wgmma": sorted(f for f in loop.gemm_instructions if f.startswith("wgmma.")),
-           "sass_gmma": None, "zero_accumulate_gmma": None}
+           "sass_gmma": None, "sass_loop_mma": None, "sass_loop_steps": None, "zero_accumulate_gmma": None}
     if sass is not None:
         sl = gmma_loop(sass)
-        out.update(loop_instructions=sl.instructions, loop_code="sass", sass_gmma=sorted(set(sl.gmma)),
-                   zero_accumulate_gmma=sl.zero_accumulate)
+        if len(sl.gmma) % mma_per_step:
+            raise ValueError(f"the SASS loop {sl.label} holds {len(sl.gmma)} warpgroup MMAs, not a multiple of the "
+                             f"{mma_per_step} of one K step: not the K loop")
+        steps = len(sl.gmma) // mma_per_step
+        per_step = sl.instructions // steps if sl.instructions % steps == 0 else round(sl.instructions / steps, 2)
+        out.update(loop_instructions=per_step, loop_code="sass", sass_gmma=sorted(set(sl.gmma)),
+                   sass_loop_mma=len(sl.gmma), sass_loop_steps=steps, zero_accumulate_gmma=sl.zero_accumulate)
     return out
 
 
@@ -266,7 +276,7 @@ def prefill_kernel_record(name: str, n: int, k: int, m: int, ptx: str, ptxas_rep
     slots = min(cfg.persistent_ctas, SMS) if cfg.persistent_ctas else SMS  # CTAs running at once
     wave_eff = tiles / (math.ceil(tiles / slots) * SMS)
     grid = [min(tiles, cfg.persistent_ctas)] if cfg.persistent_ctas else [-(-m // cta_m), -(-n // tn)]
-    lr = loop_reading(ptx, sass)
+    lr = loop_reading(ptx, sass, mma_per_step=4 * cfg.blocks_per_step)
     kernel = PREFILL_KERNEL_NAME + ("_persistent" if cfg.persistent_ctas else "")
     infos = parse_ptxas_info(ptxas_report)
     info = infos.get(f"{kernel}_mosaic_gpu_kernel") or infos.get(wgmma_loop(ptx).entry)

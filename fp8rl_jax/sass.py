@@ -35,7 +35,8 @@ GMMA_OPCODES = ("HGMMA", "QGMMA", "IGMMA", "BGMMA")
 _INSTR = re.compile(r"^\s*/\*([0-9a-fA-F]+)\*/\s+(.*?)\s*;")
 _LABEL = re.compile(r"^\s*(\.L[\w.$]*):\s*$")
 _SECTION = re.compile(r"^\s*\.section\s+\.text\.([\w.$]+)")
-_BRANCH = re.compile(r"^(@!?U?P\w+\s+)?BRA(?:\.[\w.]+)?\s+`\(([^)]+)\)")
+# a branch: its guard (``@P1``, ``@!UP0``; ``@PT`` is always true) and/or a predicate operand (``BRA.U !UP0,``)
+_BRANCH = re.compile(r"^(?:@(!?U?P\w+)\s+)?BRA(?:\.[\w.]+)?\s+(?:(!?U?P\w+)\s*,\s*)?`\(([^)]+)\)")
 
 
 def find_nvdisasm() -> str | None:
@@ -151,12 +152,14 @@ def _opcode(text: str) -> str:
 
 
 def sass_loops(sass: str) -> list[SassLoop]:
-    """Every loop of an ``nvdisasm -c`` text: each predicated backward branch (``@P1 BRA `(.L_x_9)`` to a label at a
-    lower address of the same function) closes the loop from that label to it; in order of their heads.
+    """Every loop of an ``nvdisasm -c`` text: each conditional backward branch to a label at a lower address of the
+    same function (guarded, ``@P1 BRA `(.L_x_9)``, or with a predicate operand, ``BRA.U !UP0, `(.L_x_9)``) closes
+    the loop from that label to it; in order of their heads.
 
-    Unconditional backward branches are not loops here: ptxas ends a loop with a conditional branch back to its
-    head, and its unconditional backward branches are the returns of out-of-line blocks (an mbarrier wait's retry
-    path jumping back into the loop body).
+    Unconditional backward branches (no predicate, or ``PT``) are not loops here: the loops of the kernels read so
+    far (the decode and prefill GEMMs' K loops, sm_90a, CUDA 13.5) end with a conditional branch back to their head,
+    and their unconditional backward branches are the returns of out-of-line blocks (an mbarrier wait's retry path
+    jumping back into the loop body).
 
     Raises:
       ValueError: a text with no ``.text`` section holding instructions (not ``nvdisasm -c`` output).
@@ -166,17 +169,19 @@ def sass_loops(sass: str) -> list[SassLoop]:
         raise ValueError("no SASS instructions found (expected `nvdisasm -c` output with .text sections)")
     loops = []
     for fname, instrs, labels in funcs:
-        for i, (addr, text) in enumerate(instrs):
+        for addr, text in instrs:
             br = _BRANCH.match(text)
-            if not br or not br.group(1) or br.group(2) not in labels or labels[br.group(2)] > addr:
+            if not br or br.group(3) not in labels or labels[br.group(3)] > addr:
                 continue
-            head = labels[br.group(2)]
+            if not any(p and p.lstrip("!") not in ("PT", "UPT") for p in (br.group(1), br.group(2))):
+                continue  # unconditional (no predicate, or one that is always true)
+            head = labels[br.group(3)]
             body = [t for a, t in instrs if head <= a <= addr]
             ops = [_opcode(t) for t in body]
             gmma = tuple(o for o in ops if o.split(".")[0] in GMMA_OPCODES)
             zero = sum(1 for t in body if _opcode(t).split(".")[0] in GMMA_OPCODES
                        and re.search(r"\]\s*,\s*RZ\s*,\s*!UPT", t))
-            loops.append(SassLoop(fname, br.group(2), head, addr, len(body), gmma, zero,
+            loops.append(SassLoop(fname, br.group(3), head, addr, len(body), gmma, zero,
                                   dict(Counter(o.split(".")[0] for o in ops))))
     return sorted(loops, key=lambda lp: (lp.function, lp.start))
 

@@ -355,8 +355,11 @@ def kernel_record(p: Program, dump: str) -> dict:
             return grouped_decode_kernel_record(p.name, p.n, p.k, p.batch, ptx, report, cfg,
                                                 projection=f"{proj} (experts)", sass=sass_of(ptx))
         except (OSError, ValueError, RuntimeError) as e:
+            from fp8rl_jax.kernels.decode_grouped_mgpu import EXPERTS_30B_A3B, decode_tile_rows
+
             return {"name": p.name, "kernel": GROUPED_DECODE_KERNEL_NAME,
-                    "shape": {"projection": proj, "n": p.n, "k": p.k}, "m": p.batch,
+                    "shape": {"projection": proj, "n": p.n, "k": p.k},
+                    "m": decode_tile_rows(p.batch, EXPERTS_30B_A3B), "rows": p.batch,
                     "config": dataclasses.asdict(cfg), "wave_efficiency": None, "bytes_in_flight_per_sm": None,
                     "loop_instructions_per_weight_byte": None, "registers": None, "spills": None,
                     "error": f"{type(e).__name__}: {e}"}

@@ -115,11 +115,12 @@ ptxas info    : Used 255 registers, used 16 barriers, 1 bytes smem
 
 
 # Counted by hand (an nvdisasm -c text in the form CUDA 13 writes, 16-byte sm_90 instructions):
-#   .L_x_1 (the K loop, 0x20..0xc0): TRYWAIT, @!P1 BRA (forward, to the retry block), ARRIVE, 2 x QGMMA (the first
-#     from a zero accumulator: RZ, !UPT), DEPBAR, FFMA, UIADD3, UISETP, PLOP3, @P1 BRA (closing)      = 11
-#   .L_x_0 (the loop over tiles, 0x10..0xf0): UMOV + the K loop (11) + IADD3, ISETP, @P2 BRA          = 15
-#   .L_x_3 (the wait's retry, 0x110..0x120): TRYWAIT, @!P1 BRA                                         = 2
-# Not loops: the retry block's unconditional BRA back into the K loop (.L_x_4) and the trailing self-branch.
+#   .L_x_1 (the K loop, 0x20..0xe0): TRYWAIT, @!P1 BRA (forward, to the retry block), ARRIVE, 4 x QGMMA (the first
+#     from a zero accumulator: RZ, !UPT), DEPBAR, FFMA, UIADD3, UISETP, PLOP3, @P1 BRA (closing)      = 13
+#   .L_x_0 (the loop over tiles, 0x10..0x110): UMOV + the K loop (13) + IADD3, ISETP, @P2 BRA         = 17
+#   .L_x_3 (the wait's retry, 0x130..0x140): TRYWAIT, @!P1 BRA                                         = 2
+# Not loops: the retry block's unconditional BRA back into the K loop (.L_x_4) and the trailing self-branch under
+# the always-true guard @PT.
 SASS = textwrap.dedent("""\
     \t.target\tsm_90a
 
@@ -137,23 +138,25 @@ SASS = textwrap.dedent("""\
     .L_x_4:
             /*0040*/                   WARPGROUP.ARRIVE ;
             /*0050*/                   QGMMA.64x128x32.F32.E4M3.E4M3 R24, gdesc[UR12], RZ, !UPT ;
-            /*0060*/                   QGMMA.64x128x32.F32.E4M3.E4M3 R24, gdesc[UR14], R24, gsb0 ;
-            /*0070*/                   WARPGROUP.DEPBAR.LE gsb0, 0x0 ;
-            /*0080*/                   FFMA R8, R137, R25, R8 ;
-            /*0090*/                   UIADD3 UR4, UR4, 0x1, URZ ;
-            /*00a0*/                   UISETP.NE.U32.AND UP0, UPT, UR4, 0x8, UPT ;
-            /*00b0*/                   PLOP3.LUT P1, PT, PT, PT, UP0, 0x80, 0x0 ;
-            /*00c0*/               @P1 BRA `(.L_x_1) ;
-            /*00d0*/                   IADD3 R2, R2, 0x1, RZ ;
-            /*00e0*/                   ISETP.NE.AND P2, PT, R2, 0x4, PT ;
-            /*00f0*/               @P2 BRA `(.L_x_0) ;
-            /*0100*/                   EXIT ;
+            /*0060*/                   QGMMA.64x128x32.F32.E4M3.E4M3 R24, gdesc[UR14], R24 ;
+            /*0070*/                   QGMMA.64x128x32.F32.E4M3.E4M3 R24, gdesc[UR16], R24 ;
+            /*0080*/                   QGMMA.64x128x32.F32.E4M3.E4M3 R24, gdesc[UR18], R24, gsb0 ;
+            /*0090*/                   WARPGROUP.DEPBAR.LE gsb0, 0x0 ;
+            /*00a0*/                   FFMA R8, R137, R25, R8 ;
+            /*00b0*/                   UIADD3 UR4, UR4, 0x1, URZ ;
+            /*00c0*/                   UISETP.NE.U32.AND UP0, UPT, UR4, 0x8, UPT ;
+            /*00d0*/                   PLOP3.LUT P1, PT, PT, PT, UP0, 0x80, 0x0 ;
+            /*00e0*/               @P1 BRA `(.L_x_1) ;
+            /*00f0*/                   IADD3 R2, R2, 0x1, RZ ;
+            /*0100*/                   ISETP.NE.AND P2, PT, R2, 0x4, PT ;
+            /*0110*/               @P2 BRA `(.L_x_0) ;
+            /*0120*/                   EXIT ;
     .L_x_3:
-            /*0110*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P1, [UR6], R6 ;
-            /*0120*/              @!P1 BRA `(.L_x_3) ;
-            /*0130*/                   BRA `(.L_x_4) ;
+            /*0130*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P1, [UR6], R6 ;
+            /*0140*/              @!P1 BRA `(.L_x_3) ;
+            /*0150*/                   BRA `(.L_x_4) ;
     .L_x_5:
-            /*0140*/                   BRA `(.L_x_5);
+            /*0160*/               @PT BRA `(.L_x_5);
     """)
 
 
@@ -167,19 +170,26 @@ def test_sass_loops_count_by_hand():
     loops = {lp.label: lp for lp in sass_loops(SASS)}
     assert sorted(loops) == [".L_x_0", ".L_x_1", ".L_x_3"]
     assert [(loops[x].start, loops[x].end, loops[x].instructions) for x in (".L_x_0", ".L_x_1", ".L_x_3")] == [
-        (0x10, 0xf0, 15), (0x20, 0xc0, 11), (0x110, 0x120, 2)]
+        (0x10, 0x110, 17), (0x20, 0xe0, 13), (0x130, 0x140, 2)]
     k = gmma_loop(SASS)  # the smallest loop holding a QGMMA: the K loop, not the loop over tiles
-    assert (k.function, k.label, k.instructions) == ("k_mosaic_gpu_kernel", ".L_x_1", 11)
-    assert k.gmma == ("QGMMA.64x128x32.F32.E4M3.E4M3",) * 2 and k.zero_accumulate == 1
-    assert k.opcodes["QGMMA"] == 2 and k.opcodes["BRA"] == 2 and k.opcodes["FFMA"] == 1
+    assert (k.function, k.label, k.instructions) == ("k_mosaic_gpu_kernel", ".L_x_1", 13)
+    assert k.gmma == ("QGMMA.64x128x32.F32.E4M3.E4M3",) * 4 and k.zero_accumulate == 1
+    assert k.opcodes["QGMMA"] == 4 and k.opcodes["BRA"] == 2 and k.opcodes["FFMA"] == 1
     assert loops[".L_x_0"].gmma == k.gmma and loops[".L_x_3"].gmma == ()
+    # the predicate as the branch's operand (ptxas's other form of a loop's closing branch): the same loops
+    operand = SASS.replace("@P1 BRA `(.L_x_1)", "BRA.U !UP0, `(.L_x_1)").replace("@P2 BRA `(.L_x_0)",
+                                                                               "BRA P2, `(.L_x_0)")
+    assert [(lp.label, lp.instructions) for lp in sass_loops(operand)] == [(".L_x_0", 17), (".L_x_1", 13),
+                                                                         (".L_x_3", 2)]
+    # without its predicate the K loop's branch is no loop: the loop over tiles is then the smallest holding QGMMA
+    assert gmma_loop(SASS.replace("@P1 BRA `(.L_x_1)", "BRA `(.L_x_1)")).label == ".L_x_0"
 
 
 def test_sass_readers_name_what_they_miss(monkeypatch):
     from fp8rl_jax import sass
 
     no_mma = SASS.replace("QGMMA.64x128x32.F32.E4M3.E4M3", "FFMA")
-    with pytest.raises(ValueError, match=r"no loop holding a warpgroup MMA.*\.L_x_1 \(11\)"):
+    with pytest.raises(ValueError, match=r"no loop holding a warpgroup MMA.*\.L_x_1 \(13\)"):
         sass.gmma_loop(no_mma)
     with pytest.raises(ValueError, match="no SASS instructions"):
         sass.sass_loops(PTX)
@@ -284,12 +294,23 @@ def test_prefill_kernel_record_reads_the_ptx_and_compares_issue_with_the_tensor_
     assert two["bytes_in_flight_per_sm"] == 2 * 2 * (256 * 128 + 512 + 512)
     assert two["issue_per_mma_cycles"] == round(34 / 1024, 4)
     assert two["loop_instructions_per_weight_byte"] == round(17 * 8 / (128 * 256), 5)
-    # with the SASS ptxas built: its K loop's 11 instructions per warp, the PTX's 17 kept beside them
+    # with the SASS ptxas built: its K loop's 13 instructions per warp, the PTX's 17 kept beside them
     sr = kr.prefill_kernel_record("p", 6144, 4096, 4096, PTX, "", cfg, sass=SASS)
-    assert (sr["loop_code"], sr["loop_instructions"], sr["ptx_loop_instructions"]) == ("sass", 11, 17)
+    assert (sr["loop_code"], sr["loop_instructions"], sr["ptx_loop_instructions"]) == ("sass", 13, 17)
     assert sr["sass_gmma"] == ["QGMMA.64x128x32.F32.E4M3.E4M3"] and sr["zero_accumulate_gmma"] == 1
-    assert sr["issue_per_mma_cycles"] == round(11 * 8 / 4 / 512, 4)
-    assert sr["loop_instructions_per_weight_byte"] == round(11 * 8 / (128 * 128), 5)
+    assert (sr["sass_loop_mma"], sr["sass_loop_steps"]) == (4, 1)
+    assert sr["issue_per_mma_cycles"] == round(13 * 8 / 4 / 512, 4)
+    assert sr["loop_instructions_per_weight_byte"] == round(13 * 8 / (128 * 128), 5)
+    # a loop ptxas unrolled twice (8 MMAs, 26 instructions) counts per K step; 4 MMAs for a two-block step do not
+    # make a whole step (not the K loop): a reading error
+    extra = ["QGMMA.64x128x32.F32.E4M3.E4M3 R24, gdesc[UR12], RZ, !UPT"] + ["FFMA R8, R137, R25, R8"] * 9 + [
+        "QGMMA.64x128x32.F32.E4M3.E4M3 R24, gdesc[UR12], R24"] * 3  # a second K step: 13 more instructions
+    unrolled = SASS.replace("/*0090*/", "".join(f"/*{0x81 + i:04x}*/  {t} ;\n  " for i, t in enumerate(extra))
+                            + "/*0090*/", 1)
+    ur = kr.loop_reading(PTX, unrolled)
+    assert (ur["sass_loop_mma"], ur["sass_loop_steps"], ur["loop_instructions"]) == (8, 2, 13)
+    with pytest.raises(ValueError, match="holds 4 warpgroup MMAs, not a multiple of the 8"):
+        kr.loop_reading(PTX, SASS, mma_per_step=8)
     assert (rec["loop_code"], rec["sass_gmma"], rec["zero_accumulate_gmma"]) == ("ptx", None, None)
 
 

@@ -257,13 +257,15 @@ def test_two_rl_steps_tiny_moe_fp8_rollout(tiny_moe_dir):
 # -- FP8 experts on the Mosaic GPU kernel (issue 29) ------------------------------------------------------------
 
 
-@pytest.mark.parametrize("impl", ["mosaic", "swapab"])
-def test_fp8_experts_on_the_mosaic_kernel_match_float64_per_token_reference(impl):
+@pytest.mark.parametrize("impl,experts,tokens", [("mosaic", 3, 12), ("swapab", 3, 12), ("swapab", 8, 2)])
+def test_fp8_experts_on_the_mosaic_kernel_match_float64_per_token_reference(impl, experts, tokens):
     """``fp8_expert_impl="mosaic"``: the routed rows in 64-row expert tiles (3 tiles for 24 rows over 3 experts),
     quantized once per tile row in 1x128 e4m3 groups, gate / up / down as grouped Mosaic GPU GEMMs (Mosaic GPU's
     interpreter on the CPU; on CUDA "auto" picks this path for prefill-sized row counts); ``"swapab"``: the grouped
     swap-AB decode GEMM on 16-row tiles (``decode_tile_rows(24, 3)``; at most 4 tiles, the unused ones skipped; on
-    CUDA "auto" picks it for decode-sized row counts). Each == the float64 per-token
+    CUDA "auto" picks it for decode-sized row counts; at 2 tokens over 8 experts, a decode step's shape: 4 routed
+    rows in 8-row tiles, the kernel's 4 tiles fewer than the layout's 7, so the layout is cut as at real decode
+    sizes). Each == the float64 per-token
     reference (tests/test_stacked_experts.py) on the same e4m3 weights and the numpy-quantized activations. Ragged:
     moe_intermediate 48 (gate / up N, down K: padded to 128). Measured ~3e-7 relative: float32 accumulation; a
     missing activation quantization, a wrong expert or scale costs percents. Router ids equal the reference's."""
@@ -271,20 +273,21 @@ def test_fp8_experts_on_the_mosaic_kernel_match_float64_per_token_reference(impl
     from fp8rl_jax.fp8 import formats
     from test_stacked_experts import _reference
 
-    cfg = tiny_qwen3_moe_config(64, hidden_size=128, moe_intermediate_size=48, num_experts=3, num_experts_per_tok=2)
+    cfg = tiny_qwen3_moe_config(64, hidden_size=128, moe_intermediate_size=48, num_experts=experts,
+                                num_experts_per_tok=2)
     rng = np.random.default_rng(29)
     blk = SparseMoeBlock(cfg, linear_precision="fp8", param_dtype=jnp.float32, dtype=jnp.float32, rngs=nnx.Rngs(0))
-    router = (rng.normal(size=(3, 128)) * 0.5).astype(np.float32)
+    router = (rng.normal(size=(experts, 128)) * 0.5).astype(np.float32)
     blk.gate.weight[...] = jnp.asarray(router)
     w64 = {}
     for name in ("gate_proj", "up_proj", "down_proj"):
         lin = getattr(blk.experts, name)
-        w = (rng.normal(size=lin.weight.shape) * rng.uniform(0.02, 0.2, size=(3, 1, 1))).astype(np.float32)
+        w = (rng.normal(size=lin.weight.shape) * rng.uniform(0.02, 0.2, size=(experts, 1, 1))).astype(np.float32)
         q, s = ref.quantize_blocks(w, 128, 128, formats.WEIGHT_RECIPE)
         lin.weight[...], lin.weight_scale_inv[...] = jnp.asarray(q), jnp.asarray(s)
         w64[name] = ref.dequantize_blocks(q, s, 128, 128)
     blk.fp8_expert_impl = impl
-    x = rng.normal(size=(12, 128)).astype(np.float32)
+    x = rng.normal(size=(tokens, 128)).astype(np.float32)
     out, router_ids = blk.forward(jnp.asarray(x))
 
     def act_q(v):

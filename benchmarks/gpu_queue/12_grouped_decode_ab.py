@@ -1,6 +1,7 @@
 """Issue 37: A/B of the MoE expert GEMMs at decode, Qwen3-30B-A3B shapes (128 experts; gate 768 x 2048, down
 2048 x 768), in a jitted loop: the grouped swap-AB Mosaic kernel (``grouped_decode_w8a8_matmul`` at
-``grouped_decode_config``'s configuration, what "auto" runs for decode-sized e4m3 experts since 2026-11-29), the
+``grouped_decode_config``'s configuration, what "auto" runs for decode-sized e4m3 experts since 2026-11-29; timed
+with the tile layout, the activation quantization and the gather back that ``SparseMoeBlock`` runs around it), the
 Triton grouped kernel it replaced (``grouped_w8a8_matmul``: quantization in its K loop, f16 ``mma.sync``), and bf16
 ``ragged_dot`` on the same rows (the reference). Routed rows: 8 (one token at top-8) and 256 (32 tokens), experts
 drawn at random. Each row: microseconds per call, the used experts' weight bytes / time (TB/s), the relative error
@@ -44,21 +45,22 @@ def main():
             x = jnp.asarray(rng.standard_normal((rows, k)), jnp.bfloat16)
             m = dgm.decode_tile_rows(rows, e)
             g = dgm.decode_tiles(rows, e, m)
-            lay = tile_layout(sizes, rows, m)
-            ntiles = jnp.sum((sizes + m - 1) // m)
-            te = jnp.where(jnp.arange(g) < ntiles, lay.tile_group[:g], -1).astype(jnp.int32)
-            xt = jnp.where(lay.valid[:g * m, None], x[lay.slot_row[:g * m]], 0)
-            xq, xs = _quantize_groups(xt, group_size=128, ue8m0=False, fp8_dtype=jnp.dtype(jnp.float8_e4m3fn),
-                                      fp8_max=448.0, recipe=ACTIVATION_RECIPE)
+
+            def swapab(a, sz):  # what SparseMoeBlock._swapab_experts runs for one product, from the sorted rows
+                lay = tile_layout(sz, rows, m)
+                te = jnp.where(jnp.arange(g) < jnp.sum((sz + m - 1) // m), lay.tile_group[:g], -1).astype(jnp.int32)
+                xt = jnp.where(lay.valid[:g * m, None], a[lay.slot_row[:g * m]], 0)
+                xq, xs = _quantize_groups(xt, group_size=128, ue8m0=False, fp8_dtype=jnp.dtype(jnp.float8_e4m3fn),
+                                          fp8_max=448.0, recipe=ACTIVATION_RECIPE)
+                return dgm.grouped_decode_w8a8_matmul(xq, xs, wq, ws, te, tile_rows=m, num_rows=rows)[lay.row_slot]
+
             rq, rs = _quantize_groups(x, group_size=128, ue8m0=False, fp8_dtype=jnp.dtype(jnp.float8_e4m3fn),
                                       fp8_max=448.0, recipe=ACTIVATION_RECIPE)
             xdq = rq.astype(jnp.float32) * jnp.repeat(rs, 128, 1)[:, :k]  # the W8A8 operands, dequantized
             ref = jax.lax.ragged_dot(xdq, jnp.swapaxes(wd.astype(jnp.float32), 1, 2), sizes,
                                      preferred_element_type=jnp.float32, precision=jax.lax.Precision.HIGHEST)
             runs = {
-                "swapab_grouped": (lambda a, b: dgm.grouped_decode_w8a8_matmul(a, b, wq, ws, te, tile_rows=m,
-                                                                               num_rows=rows)[lay.row_slot],
-                                   (xq, xs)),
+                "swapab_grouped": (swapab, (x, sizes)),  # tile layout, quantization, kernel, gather back
                 "triton_grouped": (lambda a: grouped_w8a8_matmul(a, sizes, wq, ws, out_dtype=jnp.float32), (x,)),
                 "bf16_ragged_dot": (lambda a: jax.lax.ragged_dot(a, jnp.swapaxes(w, 1, 2), sizes,
                                                                  preferred_element_type=jnp.float32), (x,)),
