@@ -112,22 +112,29 @@ def parse_ptxas_info(text: str) -> dict[str, dict[str, int]]:
     return out
 
 
-def find_ptxas() -> str | None:
-    """Path of a ``ptxas`` that knows sm_90a: ``$PTXAS``, the ``nvidia-cuda-nvcc`` wheel of this Python
-    (``site-packages/nvidia/cu13/bin/ptxas``, installed by ``jax[cuda13]``), else ``ptxas`` on ``PATH``; or None."""
-    env = os.environ.get("PTXAS")
+def find_cuda_tool(name: str, env_var: str) -> str | None:
+    """Path of the CUDA command-line tool ``name``: ``$<env_var>`` when it names a file, else the NVIDIA wheels of
+    this Python (``site-packages/nvidia/<cuXX>/bin/<name>``), else ``name`` on ``PATH``; or None."""
+    env = os.environ.get(env_var)
     if env and os.path.isfile(env):
         return env
     try:
         import nvidia  # namespace package of the NVIDIA wheels
 
         for base in list(getattr(nvidia, "__path__", [])):
-            for cand in sorted(glob.glob(os.path.join(base, "*", "bin", "ptxas"))):
+            for cand in sorted(glob.glob(os.path.join(base, "*", "bin", name))):
                 if os.access(cand, os.X_OK):
                     return cand
     except ImportError:
         pass
-    return shutil.which("ptxas")
+    return shutil.which(name)
+
+
+def find_ptxas() -> str | None:
+    """Path of a ``ptxas`` that knows sm_90a: ``$PTXAS``, the ``nvidia-cuda-nvcc`` wheel of this Python
+    (``site-packages/nvidia/cu13/bin/ptxas``, installed by ``jax[cuda13]``), else ``ptxas`` on ``PATH``; or None
+    (:func:`find_cuda_tool`)."""
+    return find_cuda_tool("ptxas", "PTXAS")
 
 
 def ptxas_info(ptx_path: str, ptxas: str | None = None, arch: str = "sm_90a") -> dict[str, dict[str, int]]:

@@ -19,15 +19,13 @@ per function. Hopper's warpgroup MMA is ``HGMMA`` (16-bit operands), ``QGMMA`` (
 from __future__ import annotations
 
 import dataclasses
-import glob
 import os
 import re
-import shutil
 import subprocess
 import tempfile
 from collections import Counter
 
-from fp8rl_jax.gpu_dump import find_ptxas
+from fp8rl_jax.gpu_dump import find_cuda_tool, find_ptxas
 
 #: SASS opcodes of Hopper's asynchronous warpgroup matrix multiply (``wgmma.mma_async`` in PTX)
 GMMA_OPCODES = ("HGMMA", "QGMMA", "IGMMA", "BGMMA")
@@ -41,20 +39,9 @@ _BRANCH = re.compile(r"^(?:@(!?U?P\w+)\s+)?BRA(?:\.[\w.]+)?\s+(?:(!?U?P\w+)\s*,\
 
 def find_nvdisasm() -> str | None:
     """Path of an ``nvdisasm``: ``$NVDISASM``, the ``nvidia-cuda-nvdisasm`` wheel of this Python
-    (``site-packages/nvidia/cu13/bin/nvdisasm``), else ``nvdisasm`` on ``PATH``; or None."""
-    env = os.environ.get("NVDISASM")
-    if env and os.path.isfile(env):
-        return env
-    try:
-        import nvidia  # namespace package of the NVIDIA wheels
-
-        for base in list(getattr(nvidia, "__path__", [])):
-            for cand in sorted(glob.glob(os.path.join(base, "*", "bin", "nvdisasm"))):
-                if os.access(cand, os.X_OK):
-                    return cand
-    except ImportError:
-        pass
-    return shutil.which("nvdisasm")
+    (``site-packages/nvidia/cu13/bin/nvdisasm``), else ``nvdisasm`` on ``PATH``; or None
+    (:func:`fp8rl_jax.gpu_dump.find_cuda_tool`)."""
+    return find_cuda_tool("nvdisasm", "NVDISASM")
 
 
 def sass_of_ptx(ptx: str, arch: str = "sm_90a", ptxas: str | None = None, nvdisasm: str | None = None) -> str:

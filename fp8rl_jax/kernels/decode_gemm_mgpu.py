@@ -362,6 +362,56 @@ def _block_product(plgpu, pl, w_s, x_s, wg, s):
     return p * lax.broadcast_in_dim(s, (WG_ROWS, m_pad), (1,))
 
 
+def swapab_tile(plgpu, pl, cfg: DecodeGemmConfig, m_pad: int, kps: int, interpret, w_ref, ws_ref, x_g, xs_g,
+                tile, out_ref, ni, k0) -> None:
+    """The body of one swap-AB CTA (inside a ``plgpu.kernel`` with a ``"wg"`` thread axis): the warp-specialized TMA
+    pipeline over ``kps`` K blocks from ``k0`` of weight rows ``[ni cta_n, (ni + 1) cta_n)`` of ``w_ref [N_pad, K]``
+    against token tile ``tile`` (rows ``[tile m_pad, (tile + 1) m_pad)`` of ``x_g``, columns of ``xs_g [kb, *]``),
+    each block promoted by ``ws_ref[n // 128, kb]`` and the token scales, and the float32 ``[cta_n, m_pad]`` sum
+    stored to rows ``ni cta_n ..`` of ``out_ref [N_pad, m_pad]``. The one tile body of the dense kernel
+    (:func:`decode_w8a8_partials`) and the grouped one (:mod:`fp8rl_jax.kernels.decode_grouped_mgpu`)."""
+    nwg, cta_n = cfg.compute_wgs, cfg.cta_n
+    op_tr = _swizzled(plgpu, BLOCK_SIZE, jnp.float8_e4m3fn)
+    out_tr = _swizzled(plgpu, m_pad, jnp.float32)
+    as_layout, token_scales = _layout_fns(plgpu, interpret)
+    wg = lax.axis_index("wg")
+    nb = (ni * cta_n) // BLOCK_SIZE  # this CTA's weight-scale row
+
+    def step(idx, w_s, x_s, xs_s, acc):
+        (k,) = idx
+        # the block's weight scale and token scales are read before the wgmma is waited on, so their load
+        # latency (GMEM / SMEM) hides behind the tensor cores instead of adding to every K step
+        s = token_scales(xs_s) * ws_ref[nb, k0 + k]  # [m_pad]: ws[n // 128, kb] * xs[m, kb]
+        return acc + _block_product(plgpu, pl, w_s, x_s, wg, s)
+
+    in_specs = [
+        plgpu.BlockSpec((cta_n, BLOCK_SIZE), lambda k: (ni, k0 + k), transforms=op_tr),
+        plgpu.BlockSpec((m_pad, BLOCK_SIZE), lambda k: (tile, k0 + k), transforms=op_tr),
+        plgpu.BlockSpec((1, m_pad), lambda k: (k0 + k, tile)),
+    ]
+
+    @functools.partial(pl.run_scoped, o_s=plgpu.SMEM((nwg, WG_ROWS, m_pad), jnp.float32, transforms=out_tr),
+                       collective_axes="wg")
+    def _scope(o_s):
+        def epilogue(run):
+            acc = run(as_layout(jnp.zeros((WG_ROWS, m_pad), jnp.float32), plgpu.Layout.WGMMA))
+            o_s[wg] = acc
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_s.at[wg], out_ref.at[pl.ds(ni * cta_n + wg * WG_ROWS, WG_ROWS)])
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+        plgpu.emit_pipeline_warp_specialized(
+            step,
+            grid=(kps,),
+            memory_registers=cfg.memory_registers,
+            in_specs=in_specs,
+            wg_axis="wg",
+            num_compute_wgs=nwg,
+            max_concurrent_steps=cfg.stages,
+            compute_context=epilogue,
+        )(w_ref, x_g, xs_g)
+
+
 def _build(np_: int, m_pad: int, kb: int, cfg: DecodeGemmConfig, interpret):
     """The ``plgpu.kernel``: ``(wq [np_, kb*128], xq [m_pad, kb*128], xsT [kb, m_pad] f32, ws [NB, kb] f32) ->
     partials f32 [splits, np_, m_pad]``."""
@@ -370,49 +420,10 @@ def _build(np_: int, m_pad: int, kb: int, cfg: DecodeGemmConfig, interpret):
 
     nwg, cta_n, splits = cfg.compute_wgs, cfg.cta_n, cfg.splits
     kps = kb // splits  # K blocks per split
-    op_tr = _swizzled(plgpu, BLOCK_SIZE, jnp.float8_e4m3fn)
-    out_tr = _swizzled(plgpu, m_pad, jnp.float32)
-
-    as_layout, token_scales = _layout_fns(plgpu, interpret)
 
     def body(w_g, x_g, xs_g, ws_g, o_g):
-        ni, si, wg = lax.axis_index("n"), lax.axis_index("s"), lax.axis_index("wg")
-        k0 = si * kps
-        nb = (ni * cta_n) // BLOCK_SIZE  # this CTA's weight-scale row
-
-        def step(idx, w_s, x_s, xs_s, acc):
-            (k,) = idx
-            # the block's weight scale and token scales are read before the wgmma is waited on, so their load
-            # latency (GMEM / SMEM) hides behind the tensor cores instead of adding to every K step
-            s = token_scales(xs_s) * ws_g[nb, k0 + k]  # [m_pad]: ws[n // 128, kb] * xs[m, kb]
-            return acc + _block_product(plgpu, pl, w_s, x_s, wg, s)
-
-        in_specs = [
-            plgpu.BlockSpec((cta_n, BLOCK_SIZE), lambda k: (ni, k0 + k), transforms=op_tr),
-            plgpu.BlockSpec((m_pad, BLOCK_SIZE), lambda k: (0, k0 + k), transforms=op_tr),
-            plgpu.BlockSpec((1, m_pad), lambda k: (k0 + k, 0)),
-        ]
-
-        @functools.partial(pl.run_scoped, o_s=plgpu.SMEM((nwg, WG_ROWS, m_pad), jnp.float32, transforms=out_tr),
-                           collective_axes="wg")
-        def _scope(o_s):
-            def epilogue(run):
-                acc = run(as_layout(jnp.zeros((WG_ROWS, m_pad), jnp.float32), plgpu.Layout.WGMMA))
-                o_s[wg] = acc
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(o_s.at[wg], o_g.at[si, pl.ds(ni * cta_n + wg * WG_ROWS, WG_ROWS)])
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-
-            plgpu.emit_pipeline_warp_specialized(
-                step,
-                grid=(kps,),
-                memory_registers=cfg.memory_registers,
-                in_specs=in_specs,
-                wg_axis="wg",
-                num_compute_wgs=nwg,
-                max_concurrent_steps=cfg.stages,
-                compute_context=epilogue,
-            )(w_g, x_g, xs_g)
+        ni, si = lax.axis_index("n"), lax.axis_index("s")
+        swapab_tile(plgpu, pl, cfg, m_pad, kps, interpret, w_g, ws_g, x_g, xs_g, 0, o_g.at[si], ni, si * kps)
 
     return plgpu.kernel(
         body,

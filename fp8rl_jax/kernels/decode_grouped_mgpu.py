@@ -31,9 +31,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from fp8rl_jax.fp8.formats import BLOCK_SIZE
-from fp8rl_jax.kernels.decode_gemm_mgpu import (HOPPER_SMS, MAX_TOKENS, DecodeGemmConfig, _block_product,
-                                                _layout_fns, choose_config, padded_tokens)
-from fp8rl_jax.kernels.mosaic_gemm import WG_ROWS, _interpret_params, _pad_to, _swizzled
+from fp8rl_jax.kernels.decode_gemm_mgpu import (HOPPER_SMS, MAX_TOKENS, DecodeGemmConfig, choose_config,
+                                                padded_tokens, swapab_tile)
+from fp8rl_jax.kernels.mosaic_gemm import _interpret_params, _pad_to
 
 
 #: Qwen3-30B-A3B's routed experts per MoE layer
@@ -103,51 +103,15 @@ def _build(np_: int, m_pad: int, kb: int, g: int, cfg: DecodeGemmConfig, interpr
 
     nwg, cta_n, splits = cfg.compute_wgs, cfg.cta_n, cfg.splits
     kps = kb // splits
-    op_tr = _swizzled(plgpu, BLOCK_SIZE, jnp.float8_e4m3fn)
-    out_tr = _swizzled(plgpu, m_pad, jnp.float32)
-    as_layout, token_scales = _layout_fns(plgpu, interpret)
 
     def body(w_g, x_g, xs_g, ws_g, te_g, o_g):
-        ni, si, gi, wg = lax.axis_index("n"), lax.axis_index("s"), lax.axis_index("g"), lax.axis_index("wg")
-        k0 = si * kps
-        nb = (ni * cta_n) // BLOCK_SIZE
+        ni, si, gi = lax.axis_index("n"), lax.axis_index("s"), lax.axis_index("g")
         e = te_g[gi]
 
-        @pl.when(e >= 0)
+        @pl.when(e >= 0)  # a tile not in use reads no weight
         def _tile():
-            w_e, ws_e = w_g.at[e], ws_g.at[e]
-
-            def step(idx, w_s, x_s, xs_s, acc):
-                (k,) = idx
-                s = token_scales(xs_s) * ws_e[nb, k0 + k]  # [m_pad]: ws[e, n // 128, kb] * xs[r, kb]
-                return acc + _block_product(plgpu, pl, w_s, x_s, wg, s)
-
-            in_specs = [
-                plgpu.BlockSpec((cta_n, BLOCK_SIZE), lambda k: (ni, k0 + k), transforms=op_tr),
-                plgpu.BlockSpec((m_pad, BLOCK_SIZE), lambda k: (gi, k0 + k), transforms=op_tr),
-                plgpu.BlockSpec((1, m_pad), lambda k: (k0 + k, gi)),
-            ]
-
-            @functools.partial(pl.run_scoped, o_s=plgpu.SMEM((nwg, WG_ROWS, m_pad), jnp.float32, transforms=out_tr),
-                               collective_axes="wg")
-            def _scope(o_s):
-                def epilogue(run):
-                    acc = run(as_layout(jnp.zeros((WG_ROWS, m_pad), jnp.float32), plgpu.Layout.WGMMA))
-                    o_s[wg] = acc
-                    plgpu.commit_smem()
-                    plgpu.copy_smem_to_gmem(o_s.at[wg], o_g.at[si, gi, pl.ds(ni * cta_n + wg * WG_ROWS, WG_ROWS)])
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-
-                plgpu.emit_pipeline_warp_specialized(
-                    step,
-                    grid=(kps,),
-                    memory_registers=cfg.memory_registers,
-                    in_specs=in_specs,
-                    wg_axis="wg",
-                    num_compute_wgs=nwg,
-                    max_concurrent_steps=cfg.stages,
-                    compute_context=epilogue,
-                )(w_e, x_g, xs_g)
+            swapab_tile(plgpu, pl, cfg, m_pad, kps, interpret, w_g.at[e], ws_g.at[e], x_g, xs_g, gi, o_g.at[si, gi],
+                        ni, si * kps)
 
     return plgpu.kernel(
         body,

@@ -264,11 +264,25 @@ class SparseMoeBlock(nnx.Module):
           tile_rows: ``m``, a multiple of 64. interpret: as :func:`~fp8rl_jax.kernels.mosaic_gemm.mosaic_w8a8_matmul`
             (None: compiled where lowered for CUDA, Mosaic GPU's interpreter elsewhere).
         """
-        t, hidden = xt.shape
-        rows = t * self.top_k
+        rows = xt.shape[0] * self.top_k
         lay = tile_layout(group_sizes, rows, tile_rows)
-        token = order[lay.slot_row] // self.top_k
-        x = jnp.where(lay.valid[:, None], xt[token], jnp.zeros((), xt.dtype))  # [G*m, hidden]
+        bs = self.experts.gate_proj.block_size
+
+        def gemm(aq, a_s, wq, ws, out_dtype):
+            return run_pallas(mosaic_grouped_w8a8_matmul, aq, a_s, wq, ws, lay.tile_group, interpret=interpret,
+                              tile_rows=tile_rows, block_size=bs, out_dtype=out_dtype)
+
+        return self._experts_on_tiles(xt, weights, order, lay.slot_row, lay.valid, lay.row_slot, gemm)
+
+    def _experts_on_tiles(self, xt, weights, order, slot_row, valid, row_slot, gemm) -> jax.Array:
+        """The FP8 expert SwiGLU on tiled rows, shared by the Mosaic GPU paths: each slot gathers its token's row
+        (``slot_row [S]`` into the expert-sorted pairs; ``valid [S]`` False: a zero row), the rows are quantized once
+        in 1x128 e4m3 groups (vLLM ``QuantFP8`` native rounding), gate and up read those same e4m3 rows through
+        ``gemm(aq, a_scales, wq, ws, out_dtype) -> [S, N]`` (the stacks as they are), the SwiGLU output is quantized
+        the same way for down, and each routed row's output is gathered back from its slot (``row_slot [T*k]``),
+        gate-weighted and combined per token: ``[T, hidden]`` in ``dtype``."""
+        token = order[slot_row] // self.top_k
+        x = jnp.where(valid[:, None], xt[token], jnp.zeros((), xt.dtype))  # [S, hidden]
         (qg, sg), (qu, su), (qd, sd) = self._fp8_stacks()
         bs = self.experts.gate_proj.block_size
 
@@ -276,17 +290,13 @@ class SparseMoeBlock(nnx.Module):
             return _quantize_groups(v, group_size=bs, ue8m0=False, fp8_dtype=jnp.dtype(qg.dtype),
                                     fp8_max=float(jnp.finfo(qg.dtype).max), recipe=ACTIVATION_RECIPE)
 
-        def gemm(aq, a_s, wq, ws, out_dtype):
-            return run_pallas(mosaic_grouped_w8a8_matmul, aq, a_s, wq, ws, lay.tile_group, interpret=interpret,
-                              tile_rows=tile_rows, block_size=bs, out_dtype=out_dtype)
-
         xq, xs = quant(x)
         g = gemm(xq, xs, qg, sg, jnp.float32)
         u = gemm(xq, xs, qu, su, jnp.float32)
         h = jax.nn.silu(g.astype(self.dtype)) * u.astype(self.dtype)
         hq, hs = quant(h)
         y = gemm(hq, hs, qd, sd, self.dtype)
-        y = y[lay.row_slot] * weights.reshape(-1)[order][:, None]  # sorted rows
+        y = y[row_slot] * weights.reshape(-1)[order][:, None]  # sorted rows
         return combine_top_k(y, order, self.top_k)
 
     def _swapab_experts(self, xt, weights, order, group_sizes, *, interpret=None) -> jax.Array:
@@ -305,35 +315,19 @@ class SparseMoeBlock(nnx.Module):
         Args:
           interpret: None (compiled where lowered for CUDA, Mosaic GPU's interpreter elsewhere), True or False.
         """
-        t, hidden = xt.shape
-        rows = t * self.top_k
+        rows = xt.shape[0] * self.top_k
         m = decode_tile_rows(rows, self.num_experts)
         g = decode_tiles(rows, self.num_experts, m)
         lay = tile_layout(group_sizes, rows, m)
         used = jnp.sum((group_sizes.astype(jnp.int32) + m - 1) // m)
         tile_expert = jnp.where(jnp.arange(g) < used, lay.tile_group[:g], -1).astype(jnp.int32)
-        valid = lay.valid[:g * m]
-        token = order[lay.slot_row[:g * m]] // self.top_k
-        x = jnp.where(valid[:, None], xt[token], jnp.zeros((), xt.dtype))  # [G*m, hidden]
-        (qg, sg), (qu, su), (qd, sd) = self._fp8_stacks()
-        bs = self.experts.gate_proj.block_size
-
-        def quant(v):
-            return _quantize_groups(v, group_size=bs, ue8m0=False, fp8_dtype=jnp.dtype(qg.dtype),
-                                    fp8_max=float(jnp.finfo(qg.dtype).max), recipe=ACTIVATION_RECIPE)
 
         def gemm(aq, a_s, wq, ws, out_dtype):
             return run_pallas(grouped_decode_w8a8_matmul, aq, a_s, wq, ws, tile_expert, interpret=interpret,
                               tile_rows=m, out_dtype=out_dtype, num_rows=rows)
 
-        xq, xs = quant(x)
-        gt = gemm(xq, xs, qg, sg, jnp.float32)
-        u = gemm(xq, xs, qu, su, jnp.float32)
-        h = jax.nn.silu(gt.astype(self.dtype)) * u.astype(self.dtype)
-        hq, hs = quant(h)
-        y = gemm(hq, hs, qd, sd, self.dtype)
-        y = y[lay.row_slot] * weights.reshape(-1)[order][:, None]  # sorted rows
-        return combine_top_k(y, order, self.top_k)
+        return self._experts_on_tiles(xt, weights, order, lay.slot_row[:g * m], lay.valid[:g * m], lay.row_slot,
+                                      gemm)
 
     def _fp8_grouped_experts(self, xs: jax.Array, group_sizes: jax.Array) -> jax.Array:
         """Expert SwiGLU on rows grouped by expert with the grouped W8A8 kernel (e4m3 weights read as they are).
@@ -603,7 +597,7 @@ class _LocalExperts:
 
 for _name in ("_run_experts", "_xla_experts", "_training_tiled", "_grouped_impl", "_tiled_experts", "_tile_proj",
               "_tile_rows", "_act_in", "_triton_experts", "_fp8_grouped_experts", "_mosaic_experts", "_fp8_stacks",
-              "_swapab_experts", "_swapab_ok"):
+              "_swapab_experts", "_swapab_ok", "_experts_on_tiles"):
     setattr(_LocalExperts, _name, getattr(SparseMoeBlock, _name))
 
 
