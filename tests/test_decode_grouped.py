@@ -1,8 +1,8 @@
 """The grouped swap-AB decode GEMM for MoE experts (fp8rl_jax/kernels/decode_grouped_mgpu.py, issue 37 item 1).
 
 Numerics in Mosaic GPU's interpreter are tested twice elsewhere: its self-test against the float64 product of each
-tile with its expert (tests/test_kernel_choice.py, ``grouped_decode``: tiles of a repeated expert, an unused tile,
-split-K), and the MoE block on it against the float64 per-token reference (tests/test_moe.py, ``swapab``). Its
+tile with its expert (tests/test_kernel_choice.py, ``grouped_decode``: two experts, an unused tile, split-K, ragged
+N and K), and the MoE block on it against the float64 per-token reference (tests/test_moe.py, ``swapab``). Its
 sm_90a compile and roofline record: ``scripts/compile_h100.py``'s ``decode_experts_*`` programs (make test's lane).
 Here: the tile arithmetic by hand, and the errors.
 """

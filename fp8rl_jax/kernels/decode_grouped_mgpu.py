@@ -206,11 +206,13 @@ def grouped_decode_roofline(cfg: DecodeGemmConfig, n: int, k: int, tile_rows: in
 
 def _selftest_grouped_decode(interpret=False) -> None:
     """Self-test of the ``grouped_decode`` family (this kernel), run once on the GPU on first use: 3 experts of
-    ``[200, 300]`` e4m3 (ragged N and K), 4 tiles of 8 rows (experts 2, 0, 0 and one unused tile) with one compute
-    warpgroup, and of ``[256, 640]`` (tiles of expert 1 and an unused one) with two warpgroups and split-K 5, each
-    tile against the float64 product of its
-    rows with its expert (:func:`fp8rl_jax.kernels.pallas_gemm.w8a8_reference`) to ``2**-10`` of the sum of |terms|
-    (:data:`fp8rl_jax.kernels.mosaic_gemm.SELFTEST_RTOL`), the unused tile's rows 0.
+    ``[100, 300]`` e4m3 (ragged N and K: 2 CTA row blocks of 64, 3 K blocks), 3 tiles of 8 rows (experts 2 and 0,
+    and one unused tile) with split-K 3, each tile against the float64 product of its rows with its expert
+    (:func:`fp8rl_jax.kernels.pallas_gemm.w8a8_reference`) to ``2**-10`` of the sum of |terms|
+    (:data:`fp8rl_jax.kernels.mosaic_gemm.SELFTEST_RTOL`), the unused tile's rows 0. Small on purpose (18 CTAs:
+    Mosaic GPU's interpreter takes about half a second per CTA on a CPU); the tile body it shares with the dense
+    kernel (:func:`fp8rl_jax.kernels.decode_gemm_mgpu.swapab_tile`) is tested with two warpgroups by that family's
+    self-test.
 
     Raises:
       fp8rl_jax.kernels.registry.KernelMismatch: a result outside the tolerance; a Mosaic GPU compile error unchanged.
@@ -221,23 +223,21 @@ def _selftest_grouped_decode(interpret=False) -> None:
     from fp8rl_jax.kernels.pallas_gemm import selftest_operands, w8a8_reference
     from fp8rl_jax.kernels.registry import check_close
 
-    m = 8
-    for (n, k, seed), experts, cfg in (
-            ((200, 300, 1), np.array([2, 0, 0, -1], np.int32), DecodeGemmConfig(compute_wgs=1, stages=3, splits=1)),
-            ((256, 640, 2), np.array([1, -1], np.int32), DecodeGemmConfig(compute_wgs=2, stages=4, splits=5))):
-        ops = [selftest_operands(len(experts) * m, n, k, seed=seed + 10 * j) for j in range(3)]
-        xq, xs = ops[0][1], ops[0][2]
-        wq, ws = np.stack([o[3] for o in ops]), np.stack([o[4] for o in ops])
-        y = grouped_decode_w8a8_matmul(*(jnp.asarray(a) for a in (xq, xs, wq, ws, experts)), tile_rows=m,
-                                       config=cfg, interpret=interpret)
-        for t, ex in enumerate(experts):
-            rows = slice(t * m, (t + 1) * m)
-            if ex < 0:
-                ref, bound = np.zeros((m, n)), np.zeros((m, n))
-            else:
-                ref, bound = w8a8_reference(xq[rows], xs[rows], wq[ex], ws[ex])
-            check_close(f"grouped swap-AB decode GEMM tile {t} (expert {ex}) N={n} K={k} {cfg}", y[rows], ref, bound,
-                        SELFTEST_RTOL)
+    m, n, k, experts = 8, 100, 300, np.array([2, 0, -1], np.int32)
+    cfg = DecodeGemmConfig(compute_wgs=1, stages=3, splits=3)
+    ops = [selftest_operands(len(experts) * m, n, k, seed=1 + 10 * j) for j in range(3)]
+    xq, xs = ops[0][1], ops[0][2]
+    wq, ws = np.stack([o[3] for o in ops]), np.stack([o[4] for o in ops])
+    y = grouped_decode_w8a8_matmul(*(jnp.asarray(a) for a in (xq, xs, wq, ws, experts)), tile_rows=m, config=cfg,
+                                   interpret=interpret)
+    for t, ex in enumerate(experts):
+        rows = slice(t * m, (t + 1) * m)
+        if ex < 0:
+            ref, bound = np.zeros((m, n)), np.zeros((m, n))
+        else:
+            ref, bound = w8a8_reference(xq[rows], xs[rows], wq[ex], ws[ex])
+        check_close(f"grouped swap-AB decode GEMM tile {t} (expert {ex}) N={n} K={k} {cfg}", y[rows], ref, bound,
+                    SELFTEST_RTOL)
 
 
 def _register_selftest() -> None:
