@@ -32,7 +32,7 @@ from jax import lax
 
 from fp8rl_jax.fp8.formats import BLOCK_SIZE
 from fp8rl_jax.kernels.decode_gemm_mgpu import (HOPPER_SMS, MAX_TOKENS, DecodeGemmConfig, choose_config,
-                                                padded_tokens, swapab_tile)
+                                                padded_tokens, roofline, swapab_tile)
 from fp8rl_jax.kernels.mosaic_gemm import _interpret_params, _pad_to
 
 
@@ -199,8 +199,6 @@ def grouped_decode_roofline(cfg: DecodeGemmConfig, n: int, k: int, tile_rows: in
                             sms: int = HOPPER_SMS):
     """The :class:`~fp8rl_jax.kernels.decode_gemm_mgpu.Roofline` of the grouped kernel with ``tiles_used`` tiles in
     use: the dense roofline of ``N * tiles_used`` weight rows (the CTAs of unused tiles exit at once)."""
-    from fp8rl_jax.kernels.decode_gemm_mgpu import roofline
-
     return roofline(cfg, n * tiles_used, k, tile_rows, sms)
 
 
