@@ -71,3 +71,13 @@ def test_bad_operands_are_named():
         call(xq, xs, wq, ws, te, tile_rows=8, interpret=True, config=DecodeGemmConfig(compute_wgs=1, stream_k_ctas=4))
     with pytest.raises(ValueError, match="splits=3 must divide"):
         call(xq, xs, wq, ws, te, tile_rows=8, interpret=True, config=DecodeGemmConfig(compute_wgs=1, splits=3))
+
+
+def test_tile_experts_marks_the_tiles_past_the_used_ones():
+    """Routed rows per expert [3, 0, 9, 1] at m = 8 take ceil(3/8) + 0 + ceil(9/8) + ceil(1/8) = 4 tiles, packed
+    first by the layout (expert 0, expert 2 twice, expert 3); of G = 6 tiles the last two are unused (-1)."""
+    sizes = jnp.asarray([3, 0, 9, 1], jnp.int32)
+    tile_group = jnp.asarray([0, 2, 2, 3, 3, 3, 3], jnp.int32)  # tile_layout's tiles past the used ones: last group
+    got = np.asarray(dgm.tile_experts(sizes, tile_group, 6, 8))
+    assert got.dtype == np.int32 and got.tolist() == [0, 2, 2, 3, -1, -1]
+    assert np.asarray(dgm.tile_experts(sizes, tile_group, 3, 8)).tolist() == [0, 2, 2]  # G below the used count

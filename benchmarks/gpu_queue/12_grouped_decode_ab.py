@@ -48,7 +48,7 @@ def main():
 
             def swapab(a, sz):  # what SparseMoeBlock._swapab_experts runs for one product, from the sorted rows
                 lay = tile_layout(sz, rows, m)
-                te = jnp.where(jnp.arange(g) < jnp.sum((sz + m - 1) // m), lay.tile_group[:g], -1).astype(jnp.int32)
+                te = dgm.tile_experts(sz, lay.tile_group, g, m)
                 xt = jnp.where(lay.valid[:g * m, None], a[lay.slot_row[:g * m]], 0)
                 xq, xs = _quantize_groups(xt, group_size=128, ue8m0=False, fp8_dtype=jnp.dtype(jnp.float8_e4m3fn),
                                           fp8_max=448.0, recipe=ACTIVATION_RECIPE)

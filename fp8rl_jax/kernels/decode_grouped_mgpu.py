@@ -82,6 +82,22 @@ def decode_tiles(num_rows: int, num_experts: int, tile_rows: int) -> int:
     return max(1, min(num_rows, (num_rows + num_experts * (tile_rows - 1)) // tile_rows))
 
 
+def tile_experts(group_sizes: jax.Array, tile_group: jax.Array, num_tiles: int, tile_rows: int) -> jax.Array:
+    """The kernel's ``tile_expert`` operand: each of the first ``G`` tiles' expert, ``-1`` past the used ones.
+
+    Args:
+      group_sizes: int ``[E]`` routed rows per expert.
+      tile_group: int ``[>= G]`` the tile layout's expert of each tile (:func:`fp8rl_jax.models.grouped.tile_layout`,
+        which packs the used tiles first, ``ceil(rows / m)`` per expert).
+      num_tiles: ``G`` (:func:`decode_tiles`). tile_rows: ``m``.
+
+    Returns:
+      int32 ``[G]``: ``tile_group[t]`` for ``t < sum(ceil(group_sizes / m))``, else ``-1`` (the kernel skips those
+      tiles and reads no weight for them)."""
+    used = jnp.sum((group_sizes.astype(jnp.int32) + tile_rows - 1) // tile_rows)
+    return jnp.where(jnp.arange(num_tiles) < used, tile_group[:num_tiles], -1).astype(jnp.int32)
+
+
 @functools.lru_cache(maxsize=None)
 def grouped_decode_config(n: int, k: int, tile_rows: int, num_rows: int, num_experts: int,
                           sms: int = HOPPER_SMS) -> DecodeGemmConfig:

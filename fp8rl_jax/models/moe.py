@@ -88,7 +88,7 @@ from fp8rl_jax.kernels.registry import choose, run_pallas
 from fp8rl_jax.kernels.mosaic_gemm import WG_ROWS, mosaic_grouped_w8a8_matmul
 from fp8rl_jax.kernels.pallas_grouped import grouped_w8a8_matmul  # registers the grouped_experts family's self-test
 from fp8rl_jax.kernels.decode_grouped_mgpu import (decode_tile_rows, decode_tiles,  # and grouped_decode's
-                                                   grouped_decode_w8a8_matmul)
+                                                   grouped_decode_w8a8_matmul, tile_experts)
 from fp8rl_jax.fp8.quant import _quantize_groups
 from fp8rl_jax.models.config import ModelConfig
 from fp8rl_jax.models.experts import StackedExperts
@@ -319,8 +319,7 @@ class SparseMoeBlock(nnx.Module):
         m = decode_tile_rows(rows, self.num_experts)
         g = decode_tiles(rows, self.num_experts, m)
         lay = tile_layout(group_sizes, rows, m)
-        used = jnp.sum((group_sizes.astype(jnp.int32) + m - 1) // m)
-        tile_expert = jnp.where(jnp.arange(g) < used, lay.tile_group[:g], -1).astype(jnp.int32)
+        tile_expert = tile_experts(group_sizes, lay.tile_group, g, m)
 
         def gemm(aq, a_s, wq, ws, out_dtype):
             return run_pallas(grouped_decode_w8a8_matmul, aq, a_s, wq, ws, tile_expert, interpret=interpret,
