@@ -3,6 +3,7 @@
 
     .venv-cuda/bin/python benchmarks/compile_stages.py                       # generate_bf16_b1 and generate_fp8_b1
     .venv-cuda/bin/python benchmarks/compile_stages.py --programs generate_bf16_b128 generate_fp8_b128
+    .venv-cuda/bin/python benchmarks/compile_stages.py --layers 12 --pass_timers 8 --json /tmp/passes.json
 
 Each program is one of ``scripts/compile_h100.py``'s (same builders: Qwen3 widths, 2 decoder layers unless
 ``--layers``), compiled deviceless for an H100 (sm_90a) in its own fresh process, so no program finds another's
@@ -76,11 +77,23 @@ def xla_timers(log: str) -> dict:
     return out
 
 
+def pass_timers(log: str, top: int) -> dict:
+    """The ``top`` costliest HLO passes, ``{pass name: seconds}`` summed over every run of each pass, from XLA's
+    per-pass timer lines (``HLO pass: priority-fusion time: 2.1 s (2135923 us) ...``, logged with
+    ``TF_CPP_VMODULE=hlo_pass_pipeline=1``); empty where the log holds none."""
+    total: dict[str, int] = {}
+    for name, us in re.findall(r"HLO pass: (\S+) time: [^(\n]*\((\d+) us\)", log):
+        total[name] = total.get(name, 0) + int(us)
+    return {k: round(v * 1e-6, 3) for k, v in sorted(total.items(), key=lambda kv: -kv[1])[:top]}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--programs", nargs="+", default=["generate_bf16_b1", "generate_fp8_b1"])
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--json", default=os.path.join(ROOT, "benchmarks", "results", "compile_stages_h100.json"))
+    p.add_argument("--pass_timers", type=int, default=0, metavar="N",
+                   help="also time every HLO pass and report each program's N costliest (JSON: hlo_pass_s)")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
@@ -89,7 +102,8 @@ def main(argv=None) -> int:
     # XLA's own timers of its two compile halves (gpu_compiler.cc logs them at VLOG 1): the HLO passes and the
     # backend (thunk emission with the Mosaic GPU kernels' builds, LLVM, ptxas)
     env = {**os.environ, "JAX_SKIP_CUDA_CONSTRAINTS_CHECK": "1", "TF_CPP_MIN_LOG_LEVEL": "0",
-           "TF_CPP_VMODULE": "gpu_compiler=1", "TF_CPP_MAX_VLOG_LEVEL": "0"}
+           "TF_CPP_VMODULE": "gpu_compiler=1" + (",hlo_pass_pipeline=1" if args.pass_timers else ""),
+           "TF_CPP_MAX_VLOG_LEVEL": "0"}
     env.pop("JAX_COMPILATION_CACHE_DIR", None)
     rows = []
     for name in args.programs:
@@ -101,6 +115,8 @@ def main(argv=None) -> int:
             return 1
         row = json.loads(lines[-1][len(RESULT_TAG):])
         row.update(xla_timers(r.stderr))
+        if args.pass_timers:
+            row["hlo_pass_s"] = pass_timers(r.stderr, args.pass_timers)
         rows.append(row)
     import jax
 
@@ -116,6 +132,11 @@ def main(argv=None) -> int:
         print(f"{r['program']:<24} {r['trace_s']:>8.2f} {r['lower_s']:>8.2f} {r['compile_s']:>10.2f} "
               f"{sec(r['hlo_passes_s']):>12} {sec(r['backend_s']):>9} {r['total_s']:>8.2f} {r['mosaic_calls']:>13} "
               f"{str(r['mosaic_kernels']):>8}")
+    if args.pass_timers:  # one row per pass, one column per program
+        names = list(dict.fromkeys(k for r in rows for k in r["hlo_pass_s"]))
+        print(f"\n{'HLO pass (s)':<32}" + "".join(f"{r['program']:>24}" for r in rows))
+        for k in names:
+            print(f"{k:<32}" + "".join(f"{sec(r['hlo_pass_s'].get(k)):>24}" for r in rows))
     by_name = {r["program"]: r for r in rows}
     for r in rows:  # each FP8 program against the bf16 one of the same batch (generate_fp8[_kv]_bN -> generate_bf16_bN)
         base = by_name.get(re.sub(r"fp8(_kv)?", "bf16", r["program"]))
