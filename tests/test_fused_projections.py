@@ -358,8 +358,9 @@ def _launches(hlo: str) -> collections.Counter:
 
 def test_decode_step_lowers_to_one_split_k_launch_per_fused_linear_for_cuda():
     """One decode step of the FP8 model lowered for CUDA on this CPU: every FP8 linear is one launch of the swap-AB
-    split-K decode kernel (issue 37; the activation quantized once before it, in XLA); fused, a layer launches qkv,
-    o, gate_up and down (4) instead of q, k, v, o, gate, up, down (7). No Triton kernel is left in the step."""
+    split-K decode kernel (issue 37; the activation quantized once before it by the ``quant`` family's kernel);
+    fused, a layer launches qkv, o, gate_up and down (4) instead of q, k, v, o, gate, up, down (7). No other kernel
+    is left in the step."""
     from test_fp8_pallas import _lower_for_cuda
 
     cfg = ModelConfig(**QWEN3)
@@ -381,13 +382,15 @@ def test_decode_step_lowers_to_one_split_k_launch_per_fused_linear_for_cuda():
         names[fuse] = set(re.findall(r"fp8_decode_gemm_swapab_wgmma", hlo)) | {
             re.search(r"tt\.func public @(\w+)", k).group(1) for k in kernels}
     n_layers = cfg.num_hidden_layers
-    assert names[False] == names[True] == {"fp8_decode_gemm_swapab_wgmma"}  # no activation-quant or Triton kernel
+    assert names[False] == names[True] == {"fp8_decode_gemm_swapab_wgmma", "fp8_blockwise_quant"}
     h, i = cfg.hidden_size, cfg.intermediate_size
     q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
 
-    def per_layer(shapes):  # [(N, K)] of one layer's FP8 linears -> launches of the whole step
+    def per_layer(shapes):  # [(N, K)] of one layer's FP8 linears -> launches of the whole step, with one
+        # activation quantization launch per linear (no e4m3 operand: "other")
         return collections.Counter({f"{n}x{k}": 0 for n, k in shapes}) + collections.Counter(
-            [f"{n}x{k}" for n, k in shapes for _ in range(n_layers)])
+            [f"{n}x{k}" for n, k in shapes for _ in range(n_layers)]) + collections.Counter(
+            {"other": len(shapes) * n_layers})
 
     assert counts[False] == per_layer([(q, h), (kv, h), (kv, h), (h, q), (i, h), (i, h), (h, i)])
     assert counts[True] == per_layer([(q + 2 * kv, h), (h, q), (2 * i, h), (h, i)])

@@ -261,16 +261,36 @@ def _linear_args(m, n=256, k=256, lead=()):
                                     (64, "mosaic:fp8_decode_gemm_swapab_wgmma"),
                                     (65, "mosaic:fp8_blockwise_gemm_wgmma"), (128, "mosaic:fp8_blockwise_gemm_wgmma"),
                                     (4096, "mosaic:fp8_blockwise_gemm_wgmma")])
-def test_linear_lowers_to_one_kernel_chosen_by_m(m, want):
-    """The engine's FP8 linear (``"auto"``): one launch, the swap-AB decode kernel for M <= 64 and the Mosaic GEMM
-    on e4m3 operands above (no Triton kernel at all: the activation quantization is XLA), both with two e4m3
-    operands."""
+def test_linear_lowers_to_the_quant_kernel_and_one_gemm_chosen_by_m(m, want):
+    """The engine's FP8 linear (``"auto"``): two launches, the ``quant`` family's activation kernel (1x128 groups,
+    ``pallas_quant.quantize_activation_groupwise_dispatch``) and the GEMM: the swap-AB decode kernel for M <= 64 and
+    the Mosaic GEMM above, both with two e4m3 operands."""
+    quant = "triton:fp8_blockwise_quant"
     hlo = _cuda(lambda *a: linear.w8a8_block_matmul(*a), *_linear_args(m))
-    assert launches(hlo) == collections.Counter({want: 1}), launches(hlo)
+    assert launches(hlo) == collections.Counter({quant: 1, want: 1}), launches(hlo)
     assert all(t.count("f8E4M3FN") == 2 for t in mosaic_operand_types(hlo))
     # leading dims count as rows: [2, 150, K] is a 300-row GEMM
     assert launches(_cuda(lambda *a: linear.w8a8_block_matmul(*a), *_linear_args(150, lead=(2,)))) == \
-        collections.Counter({"mosaic:fp8_blockwise_gemm_wgmma": 1})
+        collections.Counter({quant: 1, "mosaic:fp8_blockwise_gemm_wgmma": 1})
+    with registry.kernel_mode_scope("xla"):  # kernels off: no launch at all (the quantizer is XLA's too)
+        assert launches(_cuda(lambda *a: linear.w8a8_block_matmul(*a), *_linear_args(m))) == collections.Counter()
+
+
+def test_linear_quantizes_in_xla_where_the_quant_kernel_is_off_or_the_format_is_not_e4m3(monkeypatch):
+    """The ``quant`` family failing its self-test leaves the GEMM kernel and quantizes the input with XLA's jnp
+    quantizer (no Triton launch); e5m2 activations never take the kernel (its self-test covers e4m3 only)."""
+    from fp8rl_jax.kernels.pallas_quant import quantize_activation_groupwise_dispatch
+
+    passed = registry.selftest_passed
+    monkeypatch.setattr(registry, "selftest_passed", lambda family: family != "quant" and passed(family))
+    assert launches(_cuda(lambda *a: linear.w8a8_block_matmul(*a), *_linear_args(1))) == \
+        collections.Counter({"mosaic:fp8_decode_gemm_swapab_wgmma": 1})
+    monkeypatch.setattr(registry, "selftest_passed", passed)
+    e5m2 = _cuda(lambda x: quantize_activation_groupwise_dispatch(x, fp8_dtype=jnp.float8_e5m2, fp8_max=57344.0),
+                 S((4, 256), jnp.bfloat16))
+    e4m3 = _cuda(quantize_activation_groupwise_dispatch, S((4, 256), jnp.bfloat16))
+    assert launches(e5m2) == collections.Counter() and launches(e4m3) == collections.Counter(
+        {"triton:fp8_blockwise_quant": 1})
 
 
 def test_xla_mode_lowers_no_kernel():
@@ -324,9 +344,10 @@ def _moe_block(*, precision="fp8", e=4, seed=0):
 
 def test_moe_experts_lower_to_mosaic_for_prefill_and_swapab_for_decode():
     """FP8 experts ("auto") lowered for CUDA: 128 tokens x top-2 = 256 routed rows over 4 experts (padding bound
-    4 x 63 = 252 <= 256) take three Mosaic grouped GEMMs on 64-row tiles (gate, up, down; no Triton); 8 tokens take
-    the grouped swap-AB Mosaic decode GEMM (three launches, e4m3 x e4m3 operands, no Triton); with
-    ``fp8_expert_impl="pallas"`` the Triton grouped kernel."""
+    4 x 63 = 252 <= 256) take three Mosaic grouped GEMMs on 64-row tiles (gate, up, down); 8 tokens take the
+    grouped swap-AB Mosaic decode GEMM (three launches, e4m3 x e4m3 operands); both quantize their two inputs (the
+    routed rows, the SwiGLU output) with the ``quant`` family's kernel and run no other Triton kernel; with
+    ``fp8_expert_impl="pallas"`` the Triton grouped kernel, which quantizes inside."""
     from flax import nnx
 
     from fp8rl_jax.models.moe import grouped_expert_kernel
@@ -342,10 +363,12 @@ def test_moe_experts_lower_to_mosaic_for_prefill_and_swapab_for_decode():
         return nnx.merge(graph, s).forward(x)[0]
 
     hlo = _cuda(fwd, st, S((128, cfg.hidden_size), jnp.bfloat16))
-    assert launches(hlo) == collections.Counter({"mosaic:fp8_blockwise_grouped_gemm_wgmma": 3}), launches(hlo)
+    assert launches(hlo) == collections.Counter({"mosaic:fp8_blockwise_grouped_gemm_wgmma": 3,
+                                                 "triton:fp8_blockwise_quant": 2}), launches(hlo)
     assert all(t.count("f8E4M3FN") == 2 for t in mosaic_operand_types(hlo))
     hlo = _cuda(fwd, st, S((8, cfg.hidden_size), jnp.bfloat16))
-    assert launches(hlo) == collections.Counter({"mosaic:fp8_grouped_decode_gemm_swapab_wgmma": 3}), launches(hlo)
+    assert launches(hlo) == collections.Counter({"mosaic:fp8_grouped_decode_gemm_swapab_wgmma": 3,
+                                                 "triton:fp8_blockwise_quant": 2}), launches(hlo)
     assert all(t.count("f8E4M3FN") == 2 for t in mosaic_operand_types(hlo))
     blk.fp8_expert_impl = "pallas"
     graph, state = nnx.split(blk)
@@ -564,17 +587,19 @@ def test_requantization_amplifies_gemm_error_within_the_moe_bound():
 @needs_gpu
 @pytest.mark.parametrize("m", [1, 100, 128, 4096])
 def test_on_gpu_linear_auto_runs_the_chosen_kernel_and_matches_float64(m):
-    """On the GPU: the ``w8a8_gemm`` (Mosaic) and ``decode_gemm`` self-tests pass; the engine's FP8 linear runs the
-    decode kernel at M = 1 and the Mosaic GEMM at M = 100, 128, 4096, within :data:`GPU_RTOL` of the float64
-    formula."""
-    assert registry.selftest_passed("w8a8_gemm") and registry.selftest_passed("decode_gemm"), \
+    """On the GPU: the ``w8a8_gemm`` (Mosaic), ``decode_gemm`` and ``quant`` self-tests pass; the engine's FP8 linear
+    quantizes its input with the ``quant`` kernel and runs the decode kernel at M = 1 and the Mosaic GEMM at
+    M = 100, 128, 4096, within :data:`GPU_RTOL` of the float64 formula."""
+    assert all(registry.selftest_passed(f) for f in ("w8a8_gemm", "decode_gemm", "quant")), \
         registry.selftest_failures()
     dev = registry.cuda_device()
     x, wq, ws = _linear_case(m, 640, 1024, seed=m)
     args = [jax.device_put(a, dev) for a in (x, wq, ws)]
     f = jax.jit(lambda *a: linear.w8a8_block_matmul(*a, out_dtype=jnp.float32))
     hlo = f.lower(*args).as_text()
-    assert "mosaic_gpu" in hlo and "__gpu$xla.gpu.triton" not in hlo  # swap-AB decode kernel or the Mosaic GEMM
+    # the swap-AB decode kernel or the Mosaic GEMM, and the activation quantization kernel, no other
+    gemm = "mosaic:fp8_decode_gemm_swapab_wgmma" if m <= 64 else "mosaic:fp8_blockwise_gemm_wgmma"
+    assert launches(hlo) == collections.Counter({"triton:fp8_blockwise_quant": 1, gemm: 1}), launches(hlo)
     y = f(*args)
     assert y.devices() == {dev}
     assert _rel(y, _f64_linear(x, wq, ws)[0]) < GPU_RTOL
@@ -637,7 +662,8 @@ def test_on_gpu_moe_prefill_runs_the_mosaic_experts_and_matches_float64():
         graph, state = nnx.split(blk)
         f = jax.jit(lambda st, v: nnx.merge(graph, st).forward(v)[0])
         hlo = f.lower(state, jnp.asarray(x)).as_text()
-        assert launches(hlo) == collections.Counter({"mosaic:fp8_blockwise_grouped_gemm_wgmma": 3}), launches(hlo)
+        assert launches(hlo) == collections.Counter({"mosaic:fp8_blockwise_grouped_gemm_wgmma": 3,
+                                                 "triton:fp8_blockwise_quant": 2}), launches(hlo)
         out = f(state, jnp.asarray(x))
 
     def act_q(v):

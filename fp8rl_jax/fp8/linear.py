@@ -4,11 +4,13 @@
 (DeepSeek-V3 / DeepGEMM / vLLM ``w8a8_block_fp8_matmul``). Lowered for the CPU (or any non-CUDA platform) this is
 evaluated as ``dequant(xq) @ dequant(wq).T`` in float32, which is the same sum (only the order of fp32 additions
 differs); lowered for CUDA it runs kernels on real e4m3 operands, picked by the number of rows M
-(:func:`fp8rl_jax.fp8.dot_general.cuda_gemm_impl`, the one place): for ``M <= 64`` rows (decode) the one-launch
-split-K Triton kernel that quantizes the activations in its prologue (:mod:`fp8rl_jax.kernels.pallas_decode`, kernel
-family ``decode_gemm``), above that group quantization (XLA) then the Mosaic GPU GEMM on Hopper's FP8 tensor cores
-(``wgmma...e4m3.e4m3``, :mod:`fp8rl_jax.kernels.mosaic_gemm`, ``w8a8_gemm``), which writes ``out_dtype`` directly. The
-family's self-test and ``FP8RL_KERNELS`` apply (:func:`fp8rl_jax.kernels.registry.choose`).
+(:func:`fp8rl_jax.fp8.dot_general.cuda_gemm_impl`, the one place): the activations are quantized once
+(:func:`~fp8rl_jax.kernels.pallas_quant.quantize_activation_groupwise_dispatch`: the Pallas kernel on CUDA), then
+for ``M <= 64`` rows (decode) the swap-AB split-K Mosaic GPU kernel (:mod:`fp8rl_jax.kernels.decode_gemm_mgpu`,
+kernel family ``decode_gemm``; e5m2 weights: the Triton kernel of :mod:`fp8rl_jax.kernels.pallas_decode`, which
+quantizes in its prologue), above that the Mosaic GPU GEMM on Hopper's FP8 tensor cores (``wgmma...e4m3.e4m3``,
+:mod:`fp8rl_jax.kernels.mosaic_gemm`, ``w8a8_gemm``), which writes ``out_dtype`` directly. The families' self-tests
+and ``FP8RL_KERNELS`` apply (:func:`fp8rl_jax.kernels.registry.choose`).
 """
 
 from __future__ import annotations
@@ -19,11 +21,11 @@ import jax
 import jax.numpy as jnp
 
 from fp8rl_jax.fp8.dot_general import cuda_gemm_impl, scaled_matmul
-from fp8rl_jax.fp8.formats import ACTIVATION_RECIPE, BLOCK_SIZE
+from fp8rl_jax.fp8.formats import BLOCK_SIZE
 from fp8rl_jax.kernels.registry import choose
 from fp8rl_jax.kernels.mosaic_gemm import FP8_OPERAND_DTYPES
 from fp8rl_jax.kernels.pallas_decode import fused_w8a8_decode_matmul
-from fp8rl_jax.fp8.quant import _quantize_groups
+from fp8rl_jax.kernels.pallas_quant import quantize_activation_groupwise_dispatch
 
 IMPLS = ("auto", "dequant", "blocked", "pallas", "fused", "mosaic", "swapab")
 
@@ -142,8 +144,14 @@ def _matmul(x, weight, weight_scale_inv, block_size, out_dtype, impl, interpret=
     n, k = weight.shape
     *lead, _ = x.shape
     x2 = x.reshape(1, -1, k)
-    xq, xs = _quantize_groups(x2, group_size=block_size, ue8m0=False, fp8_dtype=jnp.dtype(weight.dtype),
-                              fp8_max=float(jnp.finfo(weight.dtype).max), recipe=ACTIVATION_RECIPE)
+    if impl in ("dequant", "blocked") or interpret:  # the portable products; the interpreter (a CPU): jnp
+        cuda = False
+    elif interpret is False:  # the kernel branch of w8a8_block_matmul's choose, lowered only for CUDA
+        cuda = True
+    else:  # an explicit kernel impl: by the platform the program is lowered for
+        cuda = None
+    xq, xs = quantize_activation_groupwise_dispatch(x2, block_size, fp8_dtype=jnp.dtype(weight.dtype),
+                                                    fp8_max=float(jnp.finfo(weight.dtype).max), cuda=cuda)
     ws = weight_scale_inv.astype(jnp.float32)
     if impl == "swapab":  # decode: the swap-AB split-K kernel; its split sums reduce in XLA (with the neighbours)
         from fp8rl_jax.kernels.registry import on_cuda

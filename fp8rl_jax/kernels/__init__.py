@@ -12,8 +12,9 @@ one module per kernel. Importing this package imports none of them (kernels buil
   FP8 wgmma), with its tuning config and a ``main`` that times it;
 * :mod:`~fp8rl_jax.kernels.mosaic_gemm`: the W8A8 blockwise GEMM for M > 64 (prefill, FP8 training, MoE prefill;
   Mosaic GPU, FP8 wgmma, TMA pipeline), with a ``main`` that times it against bf16 at the Qwen3-8B prefill shapes;
-* :mod:`~fp8rl_jax.kernels.pallas_quant`: blockwise e4m3 quantization (weights 128x128, activations 1x128) and the
-  batched export quantizer, with a ``main`` that times it against XLA's jnp quantizers;
+* :mod:`~fp8rl_jax.kernels.pallas_quant`: blockwise e4m3 quantization (weights 128x128, activations 1x128: the
+  FP8 GEMMs' input quantizer on CUDA, ``quantize_activation_groupwise_dispatch``) and the batched export quantizer,
+  with a ``main`` that times it against XLA's jnp quantizers;
 * :mod:`~fp8rl_jax.kernels.timing`: the ``main`` functions' jitted timing loop and table;
 * :mod:`~fp8rl_jax.kernels.decode_grouped_mgpu`: the grouped swap-AB W8A8 decode GEMM for MoE experts
   (decode-sized routed rows in tiles of one expert, unused tiles skipped; Mosaic GPU, FP8 wgmma);

@@ -10,8 +10,9 @@ kept at most 2 steps in flight per program and ran f16 ``mma.sync``; on an H200 
   operand (64 rows per compute warpgroup, K-major in shared memory), the tokens ``[M_pad, K]`` are its B operand
   through ``transpose_ref`` (K-major too, as e4m3 wgmma requires), ``N_wgmma = M_pad``, a multiple of 8 (8..64):
   ``wgmma.mma_async...m64n{M_pad}k32.f32.e4m3.e4m3``. No token padding to 64 or 16: at M = 1 the B tile is 8 rows;
-* **activations quantized once per layer, outside the kernel** (1x128 groups, XLA, fused with the RMSNorm that
-  produces them): the K loop holds no division, no amax, no cast: per K block it issues 4 wgmma instructions,
+* **activations quantized once per layer, outside the kernel** (1x128 groups, the ``quant`` family's kernel after
+  the RMSNorm that produces them, :func:`fp8rl_jax.kernels.pallas_quant.quantize_activation_groupwise_dispatch`):
+  the K loop holds no division, no amax, no cast: per K block it issues 4 wgmma instructions,
   reads one weight-scale scalar and an ``[M_pad]`` token-scale row, and promotes (``acc += p * (ws * xs)``:
   ``M_pad / 2`` FMAs per thread);
 * **a TMA ring** of ``stages`` K blocks (default 6): per stage ``128 * 64 * compute_wgs`` weight bytes (16 KiB with

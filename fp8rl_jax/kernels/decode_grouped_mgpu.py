@@ -14,7 +14,8 @@ tile layout (:func:`fp8rl_jax.models.grouped.tile_layout`: tiles of ``m`` rows, 
 * **unused tiles do nothing**: ``G`` is static (at most ``min(R, floor((R + E (m - 1)) / m))``: every used tile
   holds at least one row) but the used count depends on the routing; a tile whose ``tile_expert`` is ``-1`` skips
   its whole pipeline, so no weight of an expert without rows is read, and its partials are zeroed after the kernel;
-* activations quantized once per layer outside the kernel (1x128 groups, XLA), as in the dense kernel.
+* activations quantized once per layer outside the kernel (1x128 groups, the ``quant`` family's kernel), as in the
+  dense kernel.
 
 Semantics: vLLM's W8A8 blockwise contract per expert, ``y[r, n] = sum_kb (xq[r, kb] . wq[e(r), n, kb]) * xs[r, kb] *
 ws[e(r), n // 128, kb]`` (``fused_moe`` with ``block_shape=[128, 128]``), each K block's wgmma partial promoted as in

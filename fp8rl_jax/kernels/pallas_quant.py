@@ -32,7 +32,7 @@ from jax.experimental import pallas as pl
 
 from fp8rl_jax.fp8.formats import (ACTIVATION_RECIPE, BLOCK_SIZE, E4M3, E4M3_MAX, WEIGHT_RECIPE, QuantRecipe,
                                    block_amax, compute_scale, scale_values)
-from fp8rl_jax.kernels.registry import KernelMismatch, choose, register_selftest, run_pallas
+from fp8rl_jax.kernels.registry import KernelMismatch, choose, register_selftest, run_pallas, use_kernel
 from fp8rl_jax.fp8.quant import _block_pair, _quantize_blocks, _quantize_groups, _require, raise_if_nonfinite
 
 
@@ -175,6 +175,54 @@ def pallas_quantize_activation_groupwise(
     if check:
         raise_if_nonfinite("pallas_quantize_activation_groupwise", x, s)
     return q, s
+
+
+def quantize_activation_groupwise_dispatch(x: jax.Array, group_size: int = BLOCK_SIZE, *, fp8_dtype=E4M3,
+                                           fp8_max: float = E4M3_MAX,
+                                           cuda: bool | None = None) -> tuple[jax.Array, jax.Array]:
+    """The input quantizer of the engine's FP8 linears and MoE experts: 1 x ``group_size`` groups, vLLM
+    ``QuantFP8`` native rounding (``formats.ACTIVATION_RECIPE``), by :func:`fp8rl_jax.kernels.registry.choose`
+    (family ``quant``): the Pallas kernel (:func:`pallas_quantize_activation_groupwise`, one launch) for e4m3
+    where the program is lowered for CUDA and the ``quant`` self-test allows it, the jnp quantizer
+    (:func:`fp8rl_jax.fp8.quant._quantize_groups`) elsewhere and for other formats. The ``quant`` self-test checks
+    the kernel against the jnp quantizer on the CPU bit for bit (at 32-row and few-row blocks); the H200 run of
+    2026-11-27 found the kernel bit-exact against the float64 reference. FP8 training's ``dot_general`` keeps the
+    jnp quantizer.
+
+    Why a kernel on CUDA: as XLA ops each quantization site is an amax reduction, the scale's and every value's
+    float64 division and the cast, fusions that XLA:GPU's HLO passes (priority fusion, the simplification fixed
+    point) work through at every site of every layer. As one custom call per site, the Qwen3-8B engine program
+    (36 layers, deviceless sm_90a) compiles in 1.4x bf16's time instead of 2.0x (medians; issue 37 item 5;
+    ``benchmarks/results/compile_stages_h100_36layers_quant_kernel.json``).
+
+    Args:
+      x: ``[..., K]`` float activations (leading dims flattened into rows).
+      group_size: elements per group along K (128).
+      fp8_dtype, fp8_max: target format.
+      cuda: what the caller knows of the platform: None (nothing: ``choose`` stages both paths), True (the caller is
+        itself the CUDA branch of a ``choose``: the kernel, or jnp where the ``quant`` family is off, without
+        staging the other path again) or False (a portable path: jnp).
+
+    Returns:
+      ``(q [..., K] fp8_dtype, scale_inv [..., ceil(K / group_size)] float32)``.
+
+    Raises:
+      ValueError: a 0-d or non-float ``x``.
+    """
+    _require("quantize_activation_groupwise_dispatch", x, 1)
+    kw = dict(group_size=int(group_size), fp8_dtype=jnp.dtype(fp8_dtype), fp8_max=float(fp8_max))
+
+    def kernel(a):
+        return pallas_quantize_activation_groupwise(a, interpret=False, check=False, **kw)
+
+    def xla(a):
+        return _quantize_groups(a, ue8m0=False, recipe=ACTIVATION_RECIPE, **kw)
+
+    if kw["fp8_dtype"] != jnp.dtype(E4M3) or kw["fp8_max"] != E4M3_MAX:  # the self-test covers e4m3 only
+        return xla(x)
+    if cuda is None:
+        return choose("quant", x, kernel=kernel, xla=xla)
+    return kernel(x) if cuda and use_kernel("quant") else xla(x)
 
 
 def _as_items(weights):
@@ -408,12 +456,15 @@ def _selftest_quant() -> None:
 
     cpu = jax.devices("cpu")[0]
     rng = np.random.default_rng(0)
-    cases = [((2, 200, 300), jnp.bfloat16, False), ((1, 130, 257), jnp.float32, False), ((1, 70, 300), jnp.bfloat16, True)]
+    # activations: 32-row blocks (prefill) and a decode batch of 3 rows (4-row blocks, one padded), as
+    # pallas_quantize_activation_groupwise picks them
+    cases = [((2, 200, 300), jnp.bfloat16, False), ((1, 130, 257), jnp.float32, False), ((1, 70, 300), jnp.bfloat16, True),
+             ((1, 3, 300), jnp.bfloat16, True)]
     for shape, dtype, per_row in cases:
         w = rng.standard_normal(shape).astype(np.float32) * np.logspace(-3, 2, shape[-1], dtype=np.float32)
         x = jnp.asarray(w, dtype)
         recipe = ACTIVATION_RECIPE if per_row else WEIGHT_RECIPE
-        bn = 32 if per_row else 128
+        bn = min(32, pl.next_power_of_2(shape[1])) if per_row else 128
         q, s = _pallas_quantize_3d(x, bn=bn, bk=128, per_row=per_row, ue8m0=False, fp8_dtype=jnp.dtype(E4M3),
                                    fp8_max=E4M3_MAX, recipe=recipe, interpret=False)
         xc = jax.device_put(np.asarray(x), cpu)

@@ -83,13 +83,12 @@ import jax.numpy as jnp
 from flax import nnx
 
 from fp8rl_jax.fp8 import dequantize_weight_blockwise, fake_quantize_activation
-from fp8rl_jax.fp8.formats import ACTIVATION_RECIPE
 from fp8rl_jax.kernels.registry import choose, run_pallas
 from fp8rl_jax.kernels.mosaic_gemm import WG_ROWS, mosaic_grouped_w8a8_matmul
 from fp8rl_jax.kernels.pallas_grouped import grouped_w8a8_matmul  # registers the grouped_experts family's self-test
 from fp8rl_jax.kernels.decode_grouped_mgpu import (decode_tile_rows, decode_tiles,  # and grouped_decode's
                                                    grouped_decode_w8a8_matmul, tile_experts)
-from fp8rl_jax.fp8.quant import _quantize_groups
+from fp8rl_jax.kernels.pallas_quant import quantize_activation_groupwise_dispatch
 from fp8rl_jax.models.config import ModelConfig
 from fp8rl_jax.models.experts import StackedExperts
 from fp8rl_jax.models.expert_parallel import ExpertParallel, ep_experts, expert_parallel as make_expert_parallel
@@ -287,8 +286,8 @@ class SparseMoeBlock(nnx.Module):
         bs = self.experts.gate_proj.block_size
 
         def quant(v):
-            return _quantize_groups(v, group_size=bs, ue8m0=False, fp8_dtype=jnp.dtype(qg.dtype),
-                                    fp8_max=float(jnp.finfo(qg.dtype).max), recipe=ACTIVATION_RECIPE)
+            return quantize_activation_groupwise_dispatch(v, bs, fp8_dtype=jnp.dtype(qg.dtype),
+                                                          fp8_max=float(jnp.finfo(qg.dtype).max))
 
         xq, xs = quant(x)
         g = gemm(xq, xs, qg, sg, jnp.float32)
