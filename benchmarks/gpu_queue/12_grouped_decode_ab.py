@@ -24,6 +24,7 @@ def main():
     from fp8rl_jax.fp8.quant import _quantize_groups, quantize_weight_blockwise
     from fp8rl_jax.kernels import decode_grouped_mgpu as dgm
     from fp8rl_jax.kernels.pallas_grouped import grouped_w8a8_matmul
+    from fp8rl_jax.kernels.pallas_quant import quantize_activation_groupwise_dispatch
     from fp8rl_jax.models.grouped import tile_layout
 
     if jax.devices()[0].platform != "gpu":
@@ -50,8 +51,7 @@ def main():
                 lay = tile_layout(sz, rows, m)
                 te = dgm.tile_experts(sz, lay.tile_group, g, m)
                 xt = jnp.where(lay.valid[:g * m, None], a[lay.slot_row[:g * m]], 0)
-                xq, xs = _quantize_groups(xt, group_size=128, ue8m0=False, fp8_dtype=jnp.dtype(jnp.float8_e4m3fn),
-                                          fp8_max=448.0, recipe=ACTIVATION_RECIPE)
+                xq, xs = quantize_activation_groupwise_dispatch(xt)  # the block's quantizer (a kernel on CUDA)
                 return dgm.grouped_decode_w8a8_matmul(xq, xs, wq, ws, te, tile_rows=m, num_rows=rows)[lay.row_slot]
 
             rq, rs = _quantize_groups(x, group_size=128, ue8m0=False, fp8_dtype=jnp.dtype(jnp.float8_e4m3fn),
