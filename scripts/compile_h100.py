@@ -43,7 +43,8 @@ a generate program ``kernels_per_token`` (device launches per decode step at 2 l
 ``kernels_per_layer_per_token`` ((4-layer count - 2-layer count) / 2), ``gemm_bytes_per_layer_per_token`` (bytes
 the decode loop's matrix-product launches move per layer: ``fp8rl_jax.gpu_dump.loop_body_gemm_bytes``, the same
 difference) beside ``weight_bytes_per_layer`` and ``active_weight_bytes_per_layer`` (a layer's weights as the engine
-holds them; MoE: the top-k experts one token reads).
+holds them; MoE: the top-k experts one token reads), and ``kernels_built`` (distinct kernels XLA compiled at 2 layers:
+``fp8rl_jax.gpu_dump.kernels_built``) with ``kernels_built_per_layer`` (the same difference).
 
 ``h100_compile.json`` also has ``"kernels"``: one roofline record per ``decode_gemm_*`` and ``prefill_gemm_*``
 program (prefill: :func:`fp8rl_jax.kernel_roofline.prefill_kernel_record`, the same fields and
@@ -57,7 +58,9 @@ them. Results: ``<output_dir>/h100_compile.json`` and ``.md``. Exit status: 0 wh
 decode GEMM record passes issue 37's roofline checks; 1 when a program failed (each named with its error; the
 others are still compiled and written) or a record misses a check (``ROOFLINE <program>: <metric> ...`` on stderr:
 ``wave_efficiency < 0.9``, ``bytes_in_flight_per_sm < 24576``, ``loop_instructions_per_weight_byte > 0.15``, any
-spilled byte, or a metric that could not be read); 2 for a bad flag or a Python without the CUDA plugin.
+spilled byte, or a metric that could not be read) or a generate program builds kernels per layer (``KERNEL REUSE
+<program>: ...``: ``kernels_built_per_layer > 1``, :func:`kernel_reuse_violations`); 2 for a bad flag or a Python
+without the CUDA plugin.
 
 Programs run in ``--jobs`` worker processes (default 2: on a 2-core machine two compiles side by side finish sooner
 than one after the other, since a compile leaves a core idle part of the time); a worker that crashes fails only its
@@ -407,7 +410,7 @@ def run_task(task: str, dump_root: str, keep_dumps: bool) -> dict:
                gemm_instructions=r.gemm_instructions, gemm_instruction_counts=r.gemm_instruction_counts,
                pallas_kernels=r.pallas_kernels, spills=r.spills, custom_calls=r.custom_calls,
                loop_body_kernels=r.loop_body_kernels, loop_body_gemm_bytes=r.loop_body_gemm_bytes,
-               loop_body_breakdown=r.loop_body_breakdown, notes=r.notes)
+               loop_body_breakdown=r.loop_body_breakdown, kernels_built=r.kernels_built, notes=r.notes)
     if p.devices > 1:  # bytes per device of each collective kind, from the optimized HLO (fp8rl_jax.gpu_dump)
         from fp8rl_jax.gpu_dump import collective_bytes
 
@@ -594,6 +597,8 @@ def merge(names: list[str], results: dict[str, dict]) -> list[dict]:
             rec["kernels_per_token"] = k2
             rec["kernels_per_token_breakdown"] = r.get("loop_body_breakdown")
             rec["kernels_per_layer_per_token"] = None
+            rec["kernels_built"] = r.get("kernels_built") if r.get("compiled") else None
+            rec["kernels_built_per_layer"] = None
             if r4 is not None:
                 rec[f"compile_s_{LAYERS_FOR_COUNT}_layers"] = r4.get("compile_s")
                 if not r4.get("compiled"):
@@ -607,11 +612,37 @@ def merge(names: list[str], results: dict[str, dict]) -> list[dict]:
                     b2, b4 = r.get("loop_body_breakdown") or {}, r4.get("loop_body_breakdown") or {}
                     rec["kernels_per_layer_breakdown"] = {k: (b4.get(k, 0) - b2.get(k, 0)) / (LAYERS_FOR_COUNT - LAYERS)
                                                           for k in sorted(set(b2) | set(b4))}
+                if r4.get("compiled") and rec["kernels_built"] is not None and r4.get("kernels_built") is not None:
+                    rec["kernels_built_per_layer"] = (r4["kernels_built"] - rec["kernels_built"]) / (
+                        LAYERS_FOR_COUNT - LAYERS)
                 g2, g4 = r.get("loop_body_gemm_bytes"), r4.get("loop_body_gemm_bytes")
                 if r4.get("compiled") and g2 is not None and g4 is not None:
                     rec["gemm_bytes_per_layer_per_token"] = (g4 - g2) // (LAYERS_FOR_COUNT - LAYERS)
             rec.update(layer_weight_bytes(p))
         out.append(rec)
+    return out
+
+
+#: The most distinct kernels XLA may build per added decoder layer (``kernels_built_per_layer``, sorts aside:
+#: :func:`fp8rl_jax.gpu_dump.kernels_built`). Identical layers compile to identical fusions, which XLA builds once. Up to
+#: 1 leaves room for fusions of the shared prologue or of the residual stream whose grouping shifts as layers are added
+#: (from 2 to 4 layers: the RoPE sin/cos split in two, +1; the b=128 prefill's residual adds of consecutive layers
+#: grouped differently, +2). Issue 37 item 5: the e4m3 KV cache's per-layer scales, sliced into each layer's fusions,
+#: made XLA build 5.5 kernels per layer (+0.24 s of compile per Qwen3-8B layer).
+MAX_KERNELS_BUILT_PER_LAYER = 1.0
+
+
+def kernel_reuse_violations(records: list[dict]) -> list[str]:
+    """``"<program>: ..."`` for each generate record whose ``kernels_built_per_layer`` exceeds
+    :data:`MAX_KERNELS_BUILT_PER_LAYER` (a fusion that differs from layer to layer, so XLA:GPU compiles it once per
+    layer instead of once)."""
+    out = []
+    for r in records:
+        per = r.get("kernels_built_per_layer")
+        if per is not None and per > MAX_KERNELS_BUILT_PER_LAYER:
+            out.append(f"{r['name']}: XLA builds {per:g} more kernels per decoder layer ({r['kernels_built']} at "
+                       f"{LAYERS} layers; at most {MAX_KERNELS_BUILT_PER_LAYER:g}): some fusion differs from layer to "
+                       "layer (a per-layer constant fused in?), so every layer compiles its own copy")
     return out
 
 
@@ -688,9 +719,14 @@ def write_outputs(records: list[dict], out_dir: str, jax_version: str, wall_s: f
              "top-k one token reads). Operands count whole, so this is an upper bound where a kernel reads part of "
              "one (the grouped expert kernel reads the routed experts' tiles of the whole stack it is passed); a "
              "product XLA compiles as a reduction fusion instead of a GEMM (bf16 b=1: k and v) is not counted.", "",
+             "Kernels built = the distinct XLA-fusion and Pallas-Triton kernels XLA compiled at "
+             f"{LAYERS} layers (identical fusions are built once), and how many more each added layer costs "
+             f"(checked: at most {MAX_KERNELS_BUILT_PER_LAYER:g}).", "",
              "| program | compiled | compile s | kernels / layer / token (per token at 2 layers) | "
+             "kernels built (+ per layer) | "
              "GEMM MiB / layer / token (weights MiB / layer) | GEMM instructions | "
-             "Pallas kernels: registers, spill B | library calls | temp MiB |", "|---|---|---|---|---|---|---|---|---|"]
+             "Pallas kernels: registers, spill B | library calls | temp MiB |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in records:
         secs = f"{r['compile_s']:.1f}" if r.get("compile_s") is not None else ""
         if r.get("compile_s_4_layers") is not None:
@@ -700,6 +736,12 @@ def write_outputs(records: list[dict], out_dir: str, jax_version: str, wall_s: f
             kpl = f"{r['kernels_per_layer_per_token']:g} ({r['kernels_per_token']})"
         elif r.get("kernels_per_token") is not None:
             kpl = f"? ({r['kernels_per_token']})"
+        built = ""
+        if r.get("kernels_built") is not None:
+            per = r.get("kernels_built_per_layer")
+            built = f"{r['kernels_built']}" + (f" (+{per:g})" if per is not None else "")
+            if per is not None and per > MAX_KERNELS_BUILT_PER_LAYER:
+                built = f"**{built}**"
         mib = ""
         if r.get("weight_bytes_per_layer") is not None:
             w, a = r["weight_bytes_per_layer"] / 2**20, r["active_weight_bytes_per_layer"] / 2**20
@@ -717,7 +759,7 @@ def write_outputs(records: list[dict], out_dir: str, jax_version: str, wall_s: f
         ok = "yes" if r["compiled"] else "**NO**"
         libs = "<br>".join(f"{t} x{n}" for t, n in (r.get("custom_calls") or {}).items()
                            if t not in ("__gpu$xla.gpu.triton", "mosaic_gpu_v2", "mosaic_gpu"))
-        lines.append(f"| {r['name']} | {ok} | {secs} | {kpl} | {mib} | {gemm} | {pallas} | {libs} | {temp} |")
+        lines.append(f"| {r['name']} | {ok} | {secs} | {kpl} | {built} | {mib} | {gemm} | {pallas} | {libs} | {temp} |")
     decode = [r for r in kernels if not is_prefill_record(r)]
     prefill = [r for r in kernels if is_prefill_record(r)]
     if decode:
@@ -851,7 +893,10 @@ def main(argv=None) -> int:
         print(f"ROOFLINE {v}", file=sys.stderr)
     for v in known_shortfalls(kernel_records(records)):
         print(f"ROOFLINE (known shortfall, not a failure) {v}")
-    return 1 if failed or slow else 0
+    rebuilt = kernel_reuse_violations(records)
+    for v in rebuilt:
+        print(f"KERNEL REUSE {v}", file=sys.stderr)
+    return 1 if failed or slow or rebuilt else 0
 
 
 if __name__ == "__main__":

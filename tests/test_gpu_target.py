@@ -136,6 +136,20 @@ def test_kernels_per_loop_iteration_of_nested_loops():
     assert gd.loop_body_kernels(THUNKS.replace("kWhile", "kCopy")) == (None, {})
 
 
+def test_kernels_built_counts_each_kernel_name_once():
+    """A kernel XLA reuses is launched under the first one's name (wrapped_compare_1 and loop_add_fusion_2 twice in
+    THUNKS): 7 distinct names of kernel thunks besides the sort (sort_6_1, left out); copies and while loops are not
+    kernels."""
+    assert gd.kernels_built(THUNKS) == 7
+    assert gd.kernels_built(THUNKS.replace("sort_6_1", "sort_34_1__2")) == 7  # a large sort's kernels, 2026-11-29
+    assert gd.kernels_built(THUNKS.replace("sort_6_1", "loop_sort_fusion")) == 8  # not XLA's sort emitter's name
+    # one fusion built per layer instead of once: each copy has its own name
+    per_layer = THUNKS.replace("    010: kCustomKernel [prev=009 (1) | sink        ] loop_add_fusion_2",
+                               "    010: kCustomKernel [prev=009 (1) | sink        ] loop_add_fusion_3")
+    assert gd.kernels_built(per_layer) == 8
+    assert gd.kernels_built("001: kCopy  [source | sink] kCopy\n") == 0
+
+
 GEMM_THUNKS = """\
 000: kWhile        [source       | sink        ]
   condition:

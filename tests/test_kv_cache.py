@@ -147,6 +147,26 @@ def test_kv_cache_requires_scales():
         KVCache.zeros(CFG, 1, 4, jnp.float8_e4m3fn, k_scale=jnp.ones(3), v_scale=jnp.ones(2))
 
 
+def test_kv_cache_holds_each_layers_scales_as_its_own_scalar():
+    """KVCache.zeros splits the [num_layers] scales into per-layer float32 scalars (issue 37 item 5: XLA then builds a
+    layer's cache-write and attention kernels once for all layers), inside jit too; values and layer(i) unchanged."""
+    ks, vs, qs = (np.array([0.5, 3.0]), np.array([0.25, 7.0]), np.array([1.5, 2.0]))
+
+    @jax.jit
+    def build(k_scale, v_scale, q_scale):
+        c = KVCache.zeros(CFG, 1, 4, jnp.float8_e4m3fn, k_scale=k_scale, v_scale=v_scale, q_scale=q_scale)
+        return c.k_scale, c.v_scale, c.q_scale, c.layer(1)[2:]
+
+    k, v, q, layer1 = build(ks, vs, qs)
+    for got, want in ((k, ks), (v, vs), (q, qs)):
+        assert isinstance(got, tuple) and len(got) == CFG.num_hidden_layers
+        assert all(g.shape == () and g.dtype == jnp.float32 for g in got)
+        assert [float(g) for g in got] == want.tolist()
+    assert [float(x) for x in layer1] == [3.0, 7.0, 2.0]
+    c = KVCache.zeros(CFG, 1, 4, jnp.float8_e4m3fn, k_scale=ks, v_scale=vs)
+    assert c.q_scale is None and c.layer(0)[2:] == (c.k_scale[0], c.v_scale[0], None)
+
+
 # ----------------------------------------------------------------------------------------------- calibration
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_captured_qkv_maxima_match_transformers(tmp_path, arch):

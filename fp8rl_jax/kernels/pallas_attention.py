@@ -131,15 +131,25 @@ def choose_splits(batch: int, num_kv_heads: int, num_blocks: int, target_program
 
 
 def _kernel_query(q, q_scale, k_scale, sm_scale):
-    """``(q_in, c)``: the queries the kernels take (e4m3 with ``q_scale``, else as given) and the float32 factor
-    ``c`` of ``S = (q_in . K^T) * c`` (``q_scale * k_scale * sm_scale``, or ``k_scale * sm_scale``; ``sm_scale``
-    defaults to ``D ** -0.5``)."""
+    """``(q_in, scales, sm_scale)``: the queries the kernels take (e4m3 with ``q_scale``, else as given), the float32
+    ``[1]`` scales the kernel reads (``(k_scale,)`` or ``(k_scale, q_scale)``) and the Python float ``sm_scale``
+    (default ``D ** -0.5``). The kernel forms ``S = (q_in . K^T) * c`` itself (:func:`_score_multiplier`): computed
+    in XLA, ``c`` would be one more launch per layer and decode step (its consumer is the kernel, nothing to fuse
+    into)."""
     sm_scale = q.shape[-1] ** -0.5 if sm_scale is None else float(sm_scale)
-    ks = jnp.asarray(k_scale, jnp.float32)
+    ks = jnp.asarray(k_scale, jnp.float32).reshape(1)
     if q_scale is None:
-        return q, ks * jnp.float32(sm_scale)
+        return q, (ks,), sm_scale
     qs = jnp.asarray(q_scale, jnp.float32)
-    return quantize_kv(q, qs), (qs * ks) * jnp.float32(sm_scale)
+    return quantize_kv(q, qs), (ks, qs.reshape(1)), sm_scale
+
+
+def _score_multiplier(scale_refs, sm_scale: float):
+    """Inside a kernel: ``c = k_scale * sm_scale``, or ``(q_scale * k_scale) * sm_scale`` with FP8 attention, in
+    float32 (the rounding of each product as XLA's float32 multiply)."""
+    ks = scale_refs[0][...]
+    c = ks if len(scale_refs) == 1 else scale_refs[1][...] * ks
+    return c * jnp.float32(sm_scale)
 
 
 def _online_softmax(q, k_ref, v_ref, mask_ref, c, *, start0, n, t, bk, limit, compute_dtype, precision):
@@ -177,19 +187,21 @@ def _online_softmax(q, k_ref, v_ref, mask_ref, c, *, start0, n, t, bk, limit, co
     return lax.fori_loop(0, n, body, init)
 
 
-def _kernel(c_ref, slot_ref, mask_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, bk, blocks_per_split, t,
-            compute_dtype, precision):
+def _kernel(*refs, n_scales, sm_scale, bk, blocks_per_split, t, compute_dtype, precision):
     """Program ``(b, h, s)``: one KV head of one sequence over slots ``[s * blocks_per_split * bk, ...)``.
 
-    c_ref ``()`` float32 score multiplier; slot_ref ``()`` int32 last visible slot of row b; mask_ref ``[T]`` int8
+    ``refs``: ``n_scales`` float32 ``()`` scale refs (``k_scale``, then ``q_scale`` with FP8 attention:
+    :func:`_score_multiplier`), then slot_ref ``()`` int32 last visible slot of row b; mask_ref ``[T]`` int8
     (row b of ``kv_mask``); q_ref ``[G_p, D]`` (compute dtype, or e4m3 for FP8 attention); k_ref, v_ref ``[T, D]``
     e4m3 (row b, KV head h of the cache, strided, no copy); o_ref ``[G_p, D]``, m_ref / l_ref ``[G_p]`` float32
     (this split's unnormalized output, running max and sum)."""
+    scale_refs, (slot_ref, mask_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref) = refs[:n_scales], refs[n_scales:]
     gp = q_ref.shape[0]
     split_start = pl.program_id(2) * (blocks_per_split * bk)
     hi = jnp.minimum(slot_ref[...] + 1, t)  # visible slots are < hi
     n = jnp.clip((hi - split_start + bk - 1) // bk, 0, blocks_per_split)
-    acc, m, l = _online_softmax(q_ref[...], k_ref, v_ref, mask_ref, c_ref[...], start0=split_start, n=n, t=t, bk=bk,
+    acc, m, l = _online_softmax(q_ref[...], k_ref, v_ref, mask_ref, _score_multiplier(scale_refs, sm_scale),
+                                start0=split_start, n=n, t=t, bk=bk,
                                 limit=jnp.broadcast_to(hi - 1, (gp,)), compute_dtype=compute_dtype,
                                 precision=precision)
     o_ref[...] = acc
@@ -197,10 +209,10 @@ def _kernel(c_ref, slot_ref, mask_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref,
     l_ref[...] = l
 
 
-@functools.partial(jax.jit, static_argnames=("bk", "splits", "blocks_per_split", "gp", "out_dtype", "interpret",
-                                             "num_warps", "num_stages"))
-def _decode(q, k_cache, v_cache, c, v_scale, kv_mask, q_slot, *, bk, splits, blocks_per_split, gp, out_dtype,
-            interpret, num_warps, num_stages):
+@functools.partial(jax.jit, static_argnames=("sm_scale", "bk", "splits", "blocks_per_split", "gp", "out_dtype",
+                                             "interpret", "num_warps", "num_stages"))
+def _decode(q, k_cache, v_cache, scales, v_scale, kv_mask, q_slot, *, sm_scale, bk, splits, blocks_per_split, gp,
+            out_dtype, interpret, num_warps, num_stages):
     b, hq, d = q.shape
     _, t, hkv, _ = k_cache.shape
     g = hq // hkv
@@ -218,11 +230,11 @@ def _decode(q, k_cache, v_cache, c, v_scale, kv_mask, q_slot, *, bk, splits, blo
         kwargs["compiler_params"] = plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
     sq = pl.squeezed
     o, m, l = pl.pallas_call(
-        functools.partial(_kernel, bk=bk, blocks_per_split=blocks_per_split, t=t, compute_dtype=compute_dtype,
-                          precision=precision),
+        functools.partial(_kernel, n_scales=len(scales), sm_scale=sm_scale, bk=bk, blocks_per_split=blocks_per_split,
+                          t=t, compute_dtype=compute_dtype, precision=precision),
         grid=(b, hkv, splits),
         in_specs=[
-            pl.BlockSpec((sq,), lambda i, h, s: (0,)),  # score multiplier
+            *[pl.BlockSpec((sq,), lambda i, h, s: (0,))] * len(scales),  # k_scale (, q_scale)
             pl.BlockSpec((sq,), lambda i, h, s: (i,)),  # last visible slot of row i
             pl.BlockSpec((sq, t), lambda i, h, s: (i, 0)),  # kv_mask row
             pl.BlockSpec((sq, sq, gp, d), lambda i, h, s: (i, h, 0, 0)),  # the group's queries
@@ -240,7 +252,7 @@ def _decode(q, k_cache, v_cache, c, v_scale, kv_mask, q_slot, *, bk, splits, blo
         interpret=interpret,
         name="fp8_kv_decode_attention",
         **kwargs,
-    )(c.reshape(1), q_slot, kv_mask, q4, k_cache, v_cache)
+    )(*scales, q_slot, kv_mask, q4, k_cache, v_cache)
     # combine the splits (flash-decoding's second stage): [B, H_kv, G_p, D]
     mx = jnp.max(m, axis=2, keepdims=True)
     w = jnp.exp(m - mx)  # 0 for a split that saw no visible slot
@@ -315,28 +327,33 @@ def fp8_kv_decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array
     splits = -(-num_blocks // blocks_per_split)
     g = hq // hkv
     gp = max(MIN_TILE, int(pl.next_power_of_2(g)))
-    qin, c = _kernel_query(q, q_scale, k_scale, sm_scale)
-    return run_pallas(_decode, qin, k_cache, v_cache, c, jnp.asarray(v_scale, jnp.float32), kv_mask.astype(jnp.int8),
-                   jnp.asarray(q_slot, jnp.int32), bk=bk, splits=splits, blocks_per_split=blocks_per_split, gp=gp,
-                   out_dtype=jnp.dtype(q.dtype), interpret=interpret, num_warps=num_warps,
-                   num_stages=num_stages)
+    qin, scales, sm = _kernel_query(q, q_scale, k_scale, sm_scale)
+    return run_pallas(_decode, qin, k_cache, v_cache, scales, jnp.asarray(v_scale, jnp.float32),
+                   kv_mask.astype(jnp.int8), jnp.asarray(q_slot, jnp.int32), sm_scale=sm, bk=bk, splits=splits,
+                   blocks_per_split=blocks_per_split, gp=gp, out_dtype=jnp.dtype(q.dtype), interpret=interpret,
+                   num_warps=num_warps, num_stages=num_stages)
 
 
-def _prefill_kernel(c_ref, slot_ref, mask_ref, q_ref, k_ref, v_ref, o_ref, *, bk, t, compute_dtype, precision):
+def _prefill_kernel(*refs, n_scales, sm_scale, bk, t, compute_dtype, precision):
     """Program ``(b, h, r)``: rows ``[r * R, (r + 1) * R)`` of KV head ``h``'s (query position, head) pairs.
 
-    c_ref ``[2]`` float32 (score multiplier, ``v_scale``); slot_ref ``[R]`` int32 (each row's last visible slot; -1
+    ``refs``: vs_ref ``()`` float32 ``v_scale``, ``n_scales`` float32 ``()`` scale refs (``k_scale``, then
+    ``q_scale``: :func:`_score_multiplier`), then slot_ref ``[R]`` int32 (each row's last visible slot; -1
     for padding rows); mask_ref ``[T]`` int8; q_ref ``[R, D]``; k_ref, v_ref ``[T, D]`` e4m3 (row b, KV head h of the
     cache, strided); o_ref ``[R, D]`` in the output dtype (normalized, times ``v_scale``)."""
+    vs_ref, scale_refs = refs[0], refs[1:1 + n_scales]
+    slot_ref, mask_ref, q_ref, k_ref, v_ref, o_ref = refs[1 + n_scales:]
     slots = slot_ref[...]
     n = (jnp.minimum(jnp.max(slots) + 1, t) + bk - 1) // bk  # the tiles holding a slot some row sees
-    acc, _, l = _online_softmax(q_ref[...], k_ref, v_ref, mask_ref, c_ref[0], start0=0, n=n, t=t, bk=bk, limit=slots,
-                                compute_dtype=compute_dtype, precision=precision)
-    o_ref[...] = (acc * (c_ref[1] / jnp.where(l > 0, l, 1.0))[:, None]).astype(o_ref.dtype)
+    acc, _, l = _online_softmax(q_ref[...], k_ref, v_ref, mask_ref, _score_multiplier(scale_refs, sm_scale), start0=0,
+                                n=n, t=t, bk=bk, limit=slots, compute_dtype=compute_dtype, precision=precision)
+    o_ref[...] = (acc * (vs_ref[...] / jnp.where(l > 0, l, 1.0))[:, None]).astype(o_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("bk", "rows", "out_dtype", "interpret", "num_warps", "num_stages"))
-def _prefill(q, k_cache, v_cache, c, kv_mask, q_slots, *, bk, rows, out_dtype, interpret, num_warps, num_stages):
+@functools.partial(jax.jit, static_argnames=("sm_scale", "bk", "rows", "out_dtype", "interpret", "num_warps",
+                                             "num_stages"))
+def _prefill(q, k_cache, v_cache, scales, v_scale, kv_mask, q_slots, *, sm_scale, bk, rows, out_dtype, interpret,
+             num_warps, num_stages):
     b, s, hq, d = q.shape
     _, t, hkv, _ = k_cache.shape
     g = hq // hkv
@@ -359,10 +376,11 @@ def _prefill(q, k_cache, v_cache, c, kv_mask, q_slots, *, bk, rows, out_dtype, i
     sq = pl.squeezed
     nrows = s * g + pad
     out = pl.pallas_call(
-        functools.partial(_prefill_kernel, bk=bk, t=t, compute_dtype=compute_dtype, precision=precision),
+        functools.partial(_prefill_kernel, n_scales=len(scales), sm_scale=sm_scale, bk=bk, t=t,
+                          compute_dtype=compute_dtype, precision=precision),
         grid=(b, hkv, nrows // rows),
         in_specs=[
-            pl.BlockSpec((2,), lambda i, h, r: (0,)),  # score multiplier, v_scale
+            *[pl.BlockSpec((sq,), lambda i, h, r: (0,))] * (1 + len(scales)),  # v_scale, k_scale (, q_scale)
             pl.BlockSpec((sq, rows), lambda i, h, r: (i, r)),  # each row's last visible slot
             pl.BlockSpec((sq, t), lambda i, h, r: (i, 0)),  # kv_mask row
             pl.BlockSpec((sq, sq, rows, d), lambda i, h, r: (i, h, r, 0)),  # the tile's query rows
@@ -374,7 +392,7 @@ def _prefill(q, k_cache, v_cache, c, kv_mask, q_slots, *, bk, rows, out_dtype, i
         interpret=interpret,
         name="fp8_kv_prefill_attention",
         **kwargs,
-    )(c, slot, kv_mask, q4, k_cache, v_cache)
+    )(v_scale.reshape(1), *scales, slot, kv_mask, q4, k_cache, v_cache)
     out = out[:, :, :s * g].reshape(b, hkv, s, g, d)
     return jnp.transpose(out, (0, 2, 1, 3, 4)).reshape(b, s, hq, d)
 
@@ -432,11 +450,10 @@ def fp8_kv_prefill_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Arra
     if t < MIN_TILE:
         raise ValueError(f"fp8_kv_prefill_attention: the cache has {t} slots, fewer than one {MIN_TILE}-slot tile")
     bk = min(block_k, 1 << (t.bit_length() - 1))
-    qin, c = _kernel_query(q, q_scale, k_scale, sm_scale)
-    cv = jnp.stack([c, jnp.asarray(v_scale, jnp.float32)])
-    return run_pallas(_prefill, qin, k_cache, v_cache, cv, kv_mask.astype(jnp.int8), jnp.asarray(q_slots, jnp.int32),
-                      bk=bk, rows=block_rows, out_dtype=jnp.dtype(q.dtype), interpret=interpret,
-                      num_warps=num_warps, num_stages=num_stages)
+    qin, scales, sm = _kernel_query(q, q_scale, k_scale, sm_scale)
+    return run_pallas(_prefill, qin, k_cache, v_cache, scales, jnp.asarray(v_scale, jnp.float32),
+                      kv_mask.astype(jnp.int8), jnp.asarray(q_slots, jnp.int32), sm_scale=sm, bk=bk, rows=block_rows,
+                      out_dtype=jnp.dtype(q.dtype), interpret=interpret, num_warps=num_warps, num_stages=num_stages)
 
 def _selftest_fp8_kv_attention(interpret: bool = False) -> None:
     """Self-test of the ``fp8_kv_attention`` family: 2 rows x 4 query heads over a 40-slot e4m3 cache of 2 KV heads

@@ -52,9 +52,11 @@ class KVCache(NamedTuple):
     Attributes:
       k, v: tuples (one per layer) of ``[B, T_max, num_key_value_heads, head_dim]`` arrays (cache dtype:
         the model dtype, or ``float8_e4m3fn``).
-      k_scale, v_scale: float32 ``[num_layers]`` dequantization multipliers (required for an e4m3 cache: stored
-        ``fp8(k / k_scale)``, read ``fp8 * k_scale``; see :mod:`fp8rl_jax.fp8.kv_cache`), else ``None``.
-      q_scale: float32 ``[num_layers]`` to run attention on e4m3 queries too (FP8 attention), else ``None``.
+      k_scale, v_scale: per-layer dequantization multipliers (required for an e4m3 cache: stored
+        ``fp8(k / k_scale)``, read ``fp8 * k_scale``; see :mod:`fp8rl_jax.fp8.kv_cache`), else ``None``: a tuple
+        of ``num_layers`` float32 scalars (:meth:`zeros` splits a ``[num_layers]`` array into one), or a float32
+        ``[num_layers]`` array in a cache built directly; ``k_scale[i]`` is layer ``i``'s either way.
+      q_scale: the same for attention on e4m3 queries too (FP8 attention), else ``None``.
     """
 
     k: tuple
@@ -68,6 +70,9 @@ class KVCache(NamedTuple):
               q_scale=None) -> "KVCache":
         """An empty cache for ``batch`` sequences of up to ``max_len`` slots.
 
+        ``k_scale`` / ``v_scale`` / ``q_scale`` (float32 ``[num_layers]`` or None) are held as tuples of per-layer
+        scalars (:func:`_per_layer_scalars`: each layer's kernels then compile once for all layers).
+
         Raises:
           ValueError: an e4m3 ``dtype`` without ``k_scale``/``v_scale``, or scales not of shape ``[num_layers]``.
         """
@@ -78,6 +83,7 @@ class KVCache(NamedTuple):
             if sc is not None and tuple(jnp.shape(sc)) != (cfg.num_hidden_layers,):
                 raise ValueError(f"KVCache {name} must have shape ({cfg.num_hidden_layers},), got {jnp.shape(sc)}")
         z = tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_hidden_layers))
+        k_scale, v_scale, q_scale = _per_layer_scalars((k_scale, v_scale, q_scale), cfg.num_hidden_layers)
         return cls(k=z, v=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_hidden_layers)), k_scale=k_scale,
                    v_scale=v_scale, q_scale=q_scale)
 
@@ -85,6 +91,24 @@ class KVCache(NamedTuple):
         """Layer ``i``'s ``(k, v, k_scale, v_scale, q_scale)`` as :class:`Attention` takes it (scales may be None)."""
         pick = lambda s: None if s is None else s[i]  # noqa: E731
         return (self.k[i], self.v[i], pick(self.k_scale), pick(self.v_scale), pick(self.q_scale))
+
+
+def _per_layer_scalars(scales: tuple, num_layers: int) -> tuple:
+    """Split each float32 ``[num_layers]`` array of ``scales`` (None passes through) into a tuple of
+    ``num_layers`` float32 scalars, all behind one ``lax.optimization_barrier``.
+
+    Why (issue 37 item 5): were layer ``i``'s attention to read ``k_scale[i]`` from the ``[num_layers]`` array, XLA
+    would fuse the slice, with its constant offset ``i``, into that layer's cache-write and attention fusions; those
+    fusions then differ from layer to layer, so XLA:GPU builds about 5 kernels per layer (+0.24 s of backend compile
+    per Qwen3-8B layer) where it otherwise builds each once and reuses it. Behind the barrier each layer's fusions
+    take the scale as a parameter (in the decode loop, a loop-carried scalar): the same fusion in every layer.
+    Values are unchanged (a slice and a barrier).
+    """
+    present = [jnp.asarray(s, jnp.float32) for s in scales if s is not None]
+    if not present:
+        return scales
+    flat = iter(jax.lax.optimization_barrier(tuple(s[i] for s in present for i in range(num_layers))))
+    return tuple(None if s is None else tuple(next(flat) for _ in range(num_layers)) for s in scales)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> jnp.ndarray:
