@@ -62,7 +62,8 @@ train: setup
 # the 8-device copies of the fp16/e4m3/e5m2 train steps and the bf16 8-device one (the fp8 8-device one keeps the
 # sharded train step), the e5m2 1-device train step (the e4m3 one compiles the same FP8 training code with the
 # other format), the FP8-KV generate at b=128 (its b=1 program keeps the FP8-KV kernels) and the 4-layer generate
-# compiles that count kernels per layer (--no_layer_count). Why two workers: on the 2-core CI machine one pytest
+# compiles that count kernels per layer, but FP8-KV b=1's (--layer_count_only: its per-layer scales are what once made
+# XLA build kernels per layer, which compile_h100.py's KERNEL REUSE check fails). Why two workers: on the 2-core CI machine one pytest
 # process keeps about one core busy (XLA:CPU compiles one program at a time; the mesh and multi-process tests wait on
 # their subprocesses), and the lane ends long before the tests. The tests and the notebooks share one persistent XLA
 # compilation cache for the run (removed at the end; tests/conftest.py explains the cache; scripts/compile_h100.py's
@@ -88,7 +89,7 @@ test: setup-test
 	  FP8RL_CUDA_VENV_SETUP_RC=$(abspath $(H100_COMPILE_DIR))/setup-cuda.rc FP8RL_CUDA_VENV_PYTHON=$(abspath $(PY_CUDA)); \
 	( ( make --no-print-directory setup-cuda; setup_rc=$$?; echo $$setup_rc > $(H100_COMPILE_DIR)/setup-cuda.rc; \
 	     test $$setup_rc -eq 0 && \
-	     nice -n $(LANE_NICE) $(PY_CUDA) scripts/compile_h100.py --jobs=1 --no_layer_count \
+	     nice -n $(LANE_NICE) $(PY_CUDA) scripts/compile_h100.py --jobs=1 --layer_count_only generate_fp8_kv_b1 \
 	       --exclude 'train_moe_fp8_fsdp*' train_fp16_8dev train_bf16_8dev train_fp8_e4m3_8dev 'train_fp8_e5m2_*' \
 	       generate_fp8_kv_b128 --output_dir=$(H100_COMPILE_DIR) ) \
 	      > $(H100_COMPILE_DIR)/compile.log 2>&1; echo $$? > $(H100_COMPILE_DIR)/compile.rc; \

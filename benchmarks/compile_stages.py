@@ -6,7 +6,8 @@
     .venv-cuda/bin/python benchmarks/compile_stages.py --layers 12 --pass_timers 8 --json /tmp/passes.json
 
 Each program is one of ``scripts/compile_h100.py``'s (same builders: Qwen3 widths, 2 decoder layers unless
-``--layers``), compiled deviceless for an H100 (sm_90a) in its own fresh process, so no program finds another's
+``--layers``), or the bf16 MoE engine this script adds as the MoE programs' baseline (``generate_moe_bf16_b1`` /
+``_b128``, Qwen3-30B-A3B widths: not in the compile lane, which has no bf16 MoE program), compiled deviceless for an H100 (sm_90a) in its own fresh process, so no program finds another's
 kernels or executables in a cache (the persistent compilation cache is off). Per program: seconds of
 ``jit(...).trace``, ``.lower(lowering_platforms=("cuda",))`` and ``.compile()`` (wall clock, this process), and the
 lowered module's Mosaic GPU kernels: ``mosaic_gpu_v2`` custom calls and their distinct ``kernel_hash`` values (each
@@ -33,6 +34,18 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULT_TAG = "COMPILE_STAGES "
 
 
+def programs() -> dict:
+    """``{name: compile_h100.Program}``: the compile lane's programs and the bf16 MoE engine (b=1, b=128), the
+    baseline of ``generate_moe_fp8_b*``."""
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    import compile_h100
+
+    extra = {f"generate_moe_bf16_b{b}": compile_h100.Program(
+        f"generate_moe_bf16_b{b}", "generate", "30b-a3b", "bf16", batch=b,
+        describe=f"engine generate, bf16 MoE, Qwen3-30B-A3B widths, b={b}") for b in (1, 128)}
+    return {**compile_h100.PROGRAMS, **extra}
+
+
 def measure(name: str, layers: int) -> dict:
     """Trace, lower and compile ``scripts/compile_h100.py``'s program ``name`` at ``layers`` layers for an H100
     (this process; call it in a fresh one). Returns ``{"program", "layers", "trace_s", "lower_s", "compile_s",
@@ -46,7 +59,7 @@ def measure(name: str, layers: int) -> dict:
     from fp8rl_jax.gpu_target import lowering_for_h100
 
     jax.config.update("jax_enable_compilation_cache", False)
-    fn, args, kw, mesh = compile_h100.build(compile_h100.PROGRAMS[name], layers)
+    fn, args, kw, mesh = compile_h100.build(programs()[name], layers)
     jitted = fn if hasattr(fn, "trace") else jax.jit(functools.partial(fn, **kw))
     kwargs = kw if hasattr(fn, "trace") else {}
     with lowering_for_h100(mesh):
@@ -96,6 +109,10 @@ def main(argv=None) -> int:
                    help="also time every HLO pass and report each program's N costliest (JSON: hlo_pass_s)")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    unknown = [n for n in args.programs if n not in programs()]
+    if unknown:
+        p.error(f"unknown program(s) {', '.join(unknown)}; generate programs: "
+                + ", ".join(n for n in programs() if n.startswith("generate_")))
     if args.worker:
         print(RESULT_TAG + json.dumps(measure(args.worker, args.layers)), flush=True)
         return 0

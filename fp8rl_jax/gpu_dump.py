@@ -211,7 +211,8 @@ def kernels_built(thunk_text: str) -> int:
     layer and step) are left out: they recur per layer whatever the model code does, and each builds quickly
     (Qwen3-30B-A3B, 2 to 6 layers deviceless: about 0.5 s per added layer with its 4 sorts, no less without them)."""
     return len({name for _, kind, name, _ in _parse_thunk_sequence(thunk_text)
-                if kind in ("kKernel", "kCustomKernel") and name and not re.fullmatch(r"sort[_\d]*", name)})
+                if kind in ("kKernel", "kCustomKernel") and name
+                and not re.fullmatch(r"sort[_\d]*", name)})
 
 
 def loop_bodies(thunk_text: str) -> list[list[tuple[int, str, str, int]]]:

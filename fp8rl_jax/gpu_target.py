@@ -47,7 +47,8 @@ import numpy as np  # noqa: E402
 
 from fp8rl_jax.gpu_dump import (custom_call_targets, find_ptxas, gemm_instruction_counts,  # noqa: E402
                                 kernels_built, loop_body_gemm_bytes, loop_body_kernels, mosaic_kernel_hashes,
-                                pallas_base_name, pallas_kernel_names, parse_ptxas_info, ptx_entries, ptxas_info, thunk_annotations)
+                                pallas_base_name, pallas_kernel_names, parse_ptxas_info, ptx_entries, ptxas_info,
+                                thunk_annotations)
 
 #: ``stream_executor::GpuTargetConfigProto`` text of one NVIDIA H100 80GB HBM3 (SXM): 132 SMs, 1.98 GHz boost,
 #: 3.35 TB/s, 50 MiB L2, 227 KiB opt-in shared memory per block, compute capability 9.0 (XLA compiles sm_90a),
@@ -232,10 +233,11 @@ class H100Compile:
         program: per decode step), from XLA's thunk sequence (:func:`~fp8rl_jax.gpu_dump.loop_body_kernels`), or None (no loop).
       loop_body_breakdown: ``{kind: count}`` of those launches (XLA fusions, Pallas kernels, XLA Triton GEMM
         fusions, cuBLAS, cuDNN, copies, ...).
-      kernels_built: distinct XLA-fusion and Pallas-Triton kernels the program launches (from the thunk sequence:
-        :func:`~fp8rl_jax.gpu_dump.kernels_built`; identical fusions share one build), or None without a dump.
       loop_body_gemm_bytes: bytes the matrix-product launches of one iteration of that loop move (results and
         distinct operands, from the optimized HLO's shapes: :func:`~fp8rl_jax.gpu_dump.loop_body_gemm_bytes`), or None.
+      kernels_built: distinct XLA-fusion and Pallas-Triton kernels the program launches, sorts aside (from the
+        thunk sequence: :func:`~fp8rl_jax.gpu_dump.kernels_built`; identical fusions share one build), or None
+        without a dump.
       notes: anything the analysis could not do, in words.
 
     Registers and spills are read from ptxas's report; kernel kinds and counts from XLA's thunk sequence, which

@@ -624,11 +624,12 @@ def merge(names: list[str], results: dict[str, dict]) -> list[dict]:
 
 
 #: The most distinct kernels XLA may build per added decoder layer (``kernels_built_per_layer``, sorts aside:
-#: :func:`fp8rl_jax.gpu_dump.kernels_built`). Identical layers compile to identical fusions, which XLA builds once. Up to
-#: 1 leaves room for fusions of the shared prologue or of the residual stream whose grouping shifts as layers are added
-#: (from 2 to 4 layers: the RoPE sin/cos split in two, +1; the b=128 prefill's residual adds of consecutive layers
-#: grouped differently, +2). Issue 37 item 5: the e4m3 KV cache's per-layer scales, sliced into each layer's fusions,
-#: made XLA build 5.5 kernels per layer (+0.24 s of compile per Qwen3-8B layer).
+#: :func:`fp8rl_jax.gpu_dump.kernels_built`). Identical layers compile to identical fusions, which XLA builds once.
+#: Up to 1 leaves room for fusions of the shared prologue or of the residual stream whose grouping shifts as layers
+#: are added (2026-11-29, from 2 to 4 layers: generate_fp8_kv_b1's RoPE sin/cos fusion split in two, +1; the b=128
+#: programs' prefill residual adds of consecutive layers grouped differently, +2). Issue 37 item 5: the e4m3 KV
+#: cache's per-layer scales, sliced into each layer's fusions, made XLA build 5.5 kernels per layer (36 Qwen3-8B
+#: layers: 4 s more backend compile).
 MAX_KERNELS_BUILT_PER_LAYER = 1.0
 
 
@@ -817,6 +818,9 @@ def main(argv=None) -> int:
     p.add_argument("--jobs", type=int, default=2, help="worker processes compiling side by side (default 2)")
     p.add_argument("--no_layer_count", action="store_true",
                    help=f"skip the {LAYERS_FOR_COUNT}-layer generate compiles (no kernels per layer)")
+    p.add_argument("--layer_count_only", nargs="+", default=None, metavar="NAME",
+                   help=f"compile the {LAYERS_FOR_COUNT}-layer copies of these generate programs only (names or shell "
+                        "patterns; `make test`'s lane: generate_fp8_kv_b1, for its kernel-reuse check)")
     p.add_argument("--keep_dumps", default=None, metavar="DIR",
                    help="keep XLA's dumps (PTX, HLO, thunks; one folder per compile) and the workers' logs here")
     p.add_argument("--list", action="store_true", help="list the programs and exit")
@@ -855,7 +859,9 @@ def main(argv=None) -> int:
 
     tasks = [n for n in names]
     if not args.no_layer_count:
-        tasks += [f"{n}@{LAYERS_FOR_COUNT}" for n in names if PROGRAMS[n].kind == "generate"]
+        counted = [n for n in names if PROGRAMS[n].kind == "generate" and (
+            args.layer_count_only is None or any(fnmatch.fnmatch(n, pat) for pat in args.layer_count_only))]
+        tasks += [f"{n}@{LAYERS_FOR_COUNT}" for n in counted]
     # a 4-layer compile costs about 1.5x (b=1) to 2x (b=128) the 2-layer one
     cost = {t: PROGRAMS[t.partition("@")[0]].cost * ((2.0 if PROGRAMS[t.partition("@")[0]].batch > 1 else 1.5)
                                                      if "@" in t else 1.0) for t in tasks}
@@ -878,7 +884,8 @@ def main(argv=None) -> int:
     records = merge(names, results)
     command = ("python scripts/compile_h100.py" + (f" --only {' '.join(args.only)}" if args.only else "")
                + (f" --exclude {' '.join(args.exclude)}" if args.exclude else "")
-               + (f" --jobs={args.jobs}" if args.jobs != 2 else "") + (" --no_layer_count" if args.no_layer_count else ""))
+               + (f" --jobs={args.jobs}" if args.jobs != 2 else "") + (" --no_layer_count" if args.no_layer_count else "")
+               + (f" --layer_count_only {' '.join(args.layer_count_only)}" if args.layer_count_only else ""))
     jpath, mpath = write_outputs(records, args.output_dir, jax.__version__, wall, args.jobs, command)
     print(f"[compile_h100] {sum(r['compiled'] for r in records)}/{len(records)} programs compiled in {wall:.0f} s; "
           f"wrote {os.path.relpath(jpath)} and {os.path.relpath(mpath)}")

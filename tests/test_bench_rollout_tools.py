@@ -172,3 +172,18 @@ def test_compile_stages_reads_xla_timer_lines():
     ])
     assert xla_timers(log) == {"hlo_passes_s": 2.43, "backend_s": 68.21}
     assert xla_timers("no timers here") == {"hlo_passes_s": None, "backend_s": None}
+
+
+def test_compile_stages_programs_add_the_bf16_moe_baseline(capsys):
+    """compile_stages.py measures the compile lane's programs and, as the MoE FP8 programs' baseline, a bf16 MoE engine
+    of the same widths (the lane has none); an unknown name is refused before anything compiles."""
+    from compile_stages import main, programs
+
+    progs = programs()
+    for b in (1, 128):
+        bf16, fp8 = progs[f"generate_moe_bf16_b{b}"], progs[f"generate_moe_fp8_b{b}"]
+        assert (bf16.kind, bf16.model, bf16.precision, bf16.batch) == ("generate", "30b-a3b", "bf16", b)
+        assert (fp8.model, fp8.precision, fp8.kv_cache, fp8.batch) == ("30b-a3b", "fp8", "auto", b)
+    with pytest.raises(SystemExit) as e:
+        main(["--programs", "generate_fp8_b1", "generate_bogus_b1"])
+    assert e.value.code == 2 and "unknown program(s) generate_bogus_b1" in capsys.readouterr().err
