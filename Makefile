@@ -62,12 +62,12 @@ train: setup
 # the 8-device copies of the fp16/e4m3/e5m2 train steps and the bf16 8-device one (the fp8 8-device one keeps the
 # sharded train step), the e5m2 1-device train step (the e4m3 one compiles the same FP8 training code with the
 # other format), the FP8-KV generate at b=128 (its b=1 program keeps the FP8-KV kernels) and the 4-layer generate
-# compiles that count kernels per layer, but FP8-KV b=1's (--layer_count_only: its per-layer scales are what once made
-# XLA build kernels per layer, which compile_h100.py's KERNEL REUSE check fails). Why two workers: on the 2-core CI machine one pytest
-# process keeps about one core busy (XLA:CPU compiles one program at a time; the mesh and multi-process tests wait on
-# their subprocesses), and the lane ends long before the tests. The tests and the notebooks share one persistent XLA
-# compilation cache for the run (removed at the end; tests/conftest.py explains the cache; scripts/compile_h100.py's
-# workers drop it themselves, to measure real compiles). Fails if a test fails,
+# compiles that count kernels per layer, but FP8-KV b=1's (--layer_count_only: its per-layer scales are what once
+# made XLA build kernels per layer, which compile_h100.py's KERNEL REUSE check fails). Why two workers: on the
+# 2-core CI machine one pytest process keeps about one core busy (XLA:CPU compiles one program at a time; the mesh
+# and multi-process tests wait on their subprocesses), and the lane ends long before the tests. The tests and the
+# notebooks share one persistent XLA compilation cache for the run (removed at the end; tests/conftest.py explains
+# the cache; scripts/compile_h100.py's workers drop it themselves, to measure real compiles). Fails if a test fails,
 # the set-up fails, any program does not compile or a notebook fails; those logs are printed at the end (and kept in
 # $(H100_COMPILE_DIR)/compile.log and notebooks.log). The sub-make is called as `make`, not $(MAKE), so that
 # `make -n test` stays a dry run (GNU make runs any recipe line naming $(MAKE) even under -n); command-line variables

@@ -7,13 +7,14 @@
 
 Each program is one of ``scripts/compile_h100.py``'s (same builders: Qwen3 widths, 2 decoder layers unless
 ``--layers``), or the bf16 MoE engine this script adds as the MoE programs' baseline (``generate_moe_bf16_b1`` /
-``_b128``, Qwen3-30B-A3B widths: not in the compile lane, which has no bf16 MoE program), compiled deviceless for an H100 (sm_90a) in its own fresh process, so no program finds another's
-kernels or executables in a cache (the persistent compilation cache is off). Per program: seconds of
-``jit(...).trace``, ``.lower(lowering_platforms=("cuda",))`` and ``.compile()`` (wall clock, this process), and the
-lowered module's Mosaic GPU kernels: ``mosaic_gpu_v2`` custom calls and their distinct ``kernel_hash`` values (each
-distinct kernel is lowered in Python once and built by the CUDA plugin's LLVM + ptxas once), and XLA's own timers
-of the compile's two halves: its HLO passes and its backend (thunk emission, where the Mosaic GPU kernels are built,
-LLVM and ptxas on the fusions). Issue 37's goal: the FP8 programs compile in at most 1.5x the bf16 ones' time.
+``_b128``, Qwen3-30B-A3B widths: not in the compile lane, which has no bf16 MoE program), compiled deviceless for an
+H100 (sm_90a) in its own fresh process, so no program finds another's kernels or executables in a cache (the persistent
+compilation cache is off). Per program: seconds of ``jit(...).trace``, ``.lower(lowering_platforms=("cuda",))`` and
+``.compile()`` (wall clock, this process), and the lowered module's Mosaic GPU kernels: ``mosaic_gpu_v2`` custom calls
+and their distinct ``kernel_hash`` values (each distinct kernel is lowered in Python once and built by the CUDA plugin's
+LLVM + ptxas once), and XLA's own timers of the compile's two halves: its HLO passes and its backend (thunk emission,
+where the Mosaic GPU kernels are built, LLVM and ptxas on the fusions). Issue 37's goal: the FP8 programs compile in at
+most 1.5x the bf16 ones' time.
 Per-layer and fixed costs come from two runs at different ``--layers`` (the slope is the per-layer cost).
 
 Prints a table; writes ``benchmarks/results/compile_stages_h100.json`` (``--json`` to change).
@@ -37,7 +38,8 @@ RESULT_TAG = "COMPILE_STAGES "
 def programs() -> dict:
     """``{name: compile_h100.Program}``: the compile lane's programs and the bf16 MoE engine (b=1, b=128), the
     baseline of ``generate_moe_fp8_b*``."""
-    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    if os.path.join(ROOT, "scripts") not in sys.path:
+        sys.path.insert(0, os.path.join(ROOT, "scripts"))
     import compile_h100
 
     extra = {f"generate_moe_bf16_b{b}": compile_h100.Program(
@@ -109,10 +111,11 @@ def main(argv=None) -> int:
                    help="also time every HLO pass and report each program's N costliest (JSON: hlo_pass_s)")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    unknown = [n for n in args.programs if n not in programs()]
+    known = programs()
+    unknown = [n for n in args.programs if n not in known]
     if unknown:
         p.error(f"unknown program(s) {', '.join(unknown)}; generate programs: "
-                + ", ".join(n for n in programs() if n.startswith("generate_")))
+                + ", ".join(n for n in known if n.startswith("generate_")))
     if args.worker:
         print(RESULT_TAG + json.dumps(measure(args.worker, args.layers)), flush=True)
         return 0

@@ -203,13 +203,13 @@ def kernels_built(thunk_text: str) -> int:
     of its ``kKernel`` / ``kCustomKernel`` thunks (XLA fusions and Pallas-Triton kernels; Mosaic GPU kernels are custom
     calls, counted by :func:`mosaic_kernel_hashes`).
 
-    XLA:GPU builds a fusion once and launches it wherever an identical one recurs (its kernel reuse by fingerprint):
-    the thunks of a reused kernel carry the first one's name. So the count is the number of kernels XLA generated
-    LLVM IR and PTX for, and it stays flat as decoder layers are added unless some fusion differs from layer to
-    layer (e.g. a per-layer constant fused in: issue 37 item 5). Sort kernels (``sort_<n>``, ``sort_<n>_1__<m>``: XLA's sort emitter
-    builds every sort's own kernels, never reusing them; MoE routing's top-k and expert grouping are two sorts per
-    layer and step) are left out: they recur per layer whatever the model code does, and each builds quickly
-    (Qwen3-30B-A3B, 2 to 6 layers deviceless: about 0.5 s per added layer with its 4 sorts, no less without them)."""
+    XLA:GPU builds a fusion once and launches it wherever an identical one recurs (its kernel reuse by fingerprint): the
+    thunks of a reused kernel carry the first one's name. So the count is the number of kernels XLA generated LLVM IR
+    and PTX for, and it stays flat as decoder layers are added unless some fusion differs from layer to layer (e.g. a
+    per-layer constant fused in: issue 37 item 5). Sort kernels (``sort_<n>``, ``sort_<n>_1__<m>``: XLA's sort emitter
+    builds every sort's own kernels, never reusing them; MoE routing's top-k and expert grouping are two sorts per layer
+    and step) are left out: they recur per layer whatever the model code does, and each builds quickly (Qwen3-30B-A3B, 2
+    to 6 layers deviceless: about 0.5 s per added layer with its 4 sorts, no less without them)."""
     return len({name for _, kind, name, _ in _parse_thunk_sequence(thunk_text)
                 if kind in ("kKernel", "kCustomKernel") and name
                 and not re.fullmatch(r"sort[_\d]*", name)})

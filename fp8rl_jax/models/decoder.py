@@ -99,10 +99,10 @@ def _per_layer_scalars(scales: tuple, num_layers: int) -> tuple:
 
     Why (issue 37 item 5): were layer ``i``'s attention to read ``k_scale[i]`` from the ``[num_layers]`` array, XLA
     would fuse the slice, with its constant offset ``i``, into that layer's cache-write and attention fusions; those
-    fusions then differ from layer to layer, so XLA:GPU builds about 5.5 kernels per layer (36 Qwen3-8B layers: 4 s
-    more backend compile, medians) where it otherwise builds each once and reuses it. Behind the barrier each layer's fusions
-    take the scale as a parameter (in the decode loop, a loop-carried scalar): the same fusion in every layer.
-    Values are unchanged (a slice and a barrier).
+    fusions then differ from layer to layer, so XLA:GPU builds about 5.5 kernels per layer (36 Qwen3-8B layers: 4 s more
+    backend compile, medians) where it otherwise builds each once and reuses it. Behind the barrier each layer's fusions
+    take the scale as a parameter (in the decode loop, a loop-carried scalar): the same fusion in every layer. Values
+    are unchanged (a slice and a barrier).
     """
     present = [jnp.asarray(s, jnp.float32) for s in scales if s is not None]
     if not present:
