@@ -1,4 +1,5 @@
-"""Pieces the benchmark scripts share: the CPU's name, Qwen3 model shapes, and their random bf16 weights."""
+"""Pieces the benchmark scripts share: the CPU's name, Qwen3 model shapes, their random bf16 weights, and the one-time
+seconds (kernel self-tests, autotuning) inside a first call."""
 
 from __future__ import annotations
 
@@ -20,6 +21,16 @@ def median_seconds(fn, repeats: int) -> float:
         fn()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def one_time_seconds() -> dict:
+    """``{"selftest_s", "autotune_s"}``: seconds this process has spent so far on the kernel families' one-time
+    self-tests (:func:`fp8rl_jax.kernels.registry.selftest_seconds`) and on the on-device autotuner
+    (:func:`fp8rl_jax.kernels.tuner.spent_s`). Both run inside the trace of the first program that needs them (on a
+    GPU; 0 elsewhere), so a first call less their growth over it is that program's compile (issue 37 item 5)."""
+    from fp8rl_jax.kernels import registry, tuner
+
+    return {"selftest_s": float(sum(registry.selftest_seconds().values())), "autotune_s": float(tuner.spent_s())}
 
 
 def cpu_model() -> str:

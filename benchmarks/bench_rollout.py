@@ -17,6 +17,10 @@ Timing: for each batch size one warm-up ``generate`` (compiles the embedded engi
 vLLM's CPU graphs), then ``--repeats`` timed calls; throughput = ``batch * max_tokens / median seconds``
 (output tokens per second including prefill, as vLLM's ``benchmark_throughput`` counts them), with
 ``ignore_eos`` so every row generates exactly ``max_tokens``. Sampling: temperature 1.0, top_p 1.0, fixed seed.
+The warm-up call's seconds are the row's ``first_call_s``; on a GPU it also pays, once per process, the kernel
+families' self-tests and the autotuner (``first_call_selftest_s``, ``first_call_autotune_s``), so
+``first_call_compile_s`` leaves them out: the FP8 cells' compile against bf16's is a table of its own (issue 37 item
+5: at most 1.5x). The FP8 / bf16 tokens/s table names issue 37 item 6's goal per batch (:data:`SPEEDUP_GOALS`).
 
 Memory: ``peak_rss_MiB`` is the child's peak resident set (CPU: weights + cache + runtime); on GPU the
 device's peak bytes in use. A separate table gives exported weight bytes bf16 vs FP8 (0.6B, 8B and
@@ -55,7 +59,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from _common import QWEN3, cpu_description, median_seconds, qwen3_config, random_param_groups  # noqa: E402
+from _common import (QWEN3, cpu_description, median_seconds, one_time_seconds, qwen3_config,  # noqa: E402
+                     random_param_groups)
 
 PRECISIONS = ("bf16", "fp8", "fp8_kv", "float32")
 def load_model_and_prompts(size: str, batch: int, prompt_len: int, seed: int = 0):
@@ -311,15 +316,19 @@ def run_cell(engine: str, size: str, precision: str, batches: list[int], max_tok
     for plen in prompt_lens:
         prompts = [p[:plen] for p in prompts_all] if size != "135m" else prompts_all
         for b in batches:
+            once0 = one_time_seconds()
             t0 = time.perf_counter()
             out = eng.generate(prompts[:b], sp)
             warm_s = time.perf_counter() - t0
+            once = {k: v - once0[k] for k, v in one_time_seconds().items()}
             n_tok = int(out.response_mask.sum())
             if n_tok != b * max_tokens:
                 raise RuntimeError(f"{engine} generated {n_tok} tokens, expected {b} x {max_tokens}")
             s = timed(prompts[:b], sp)
             row = {"prompt_len": int(sum(map(len, prompts[:b])) / b), "batch": b, "seconds": s,
-                   "tokens_per_s": b * max_tokens / s, "first_call_s": warm_s}
+                   "tokens_per_s": b * max_tokens / s, "first_call_s": warm_s,
+                   "first_call_selftest_s": once["selftest_s"], "first_call_autotune_s": once["autotune_s"],
+                   "first_call_compile_s": max(warm_s - once["selftest_s"] - once["autotune_s"], 0.0)}
             if floor and b == 1 and max_tokens > 1:
                 # prefill + one step, timed with the program just compiled: the same call (same seed, so the same
                 # first token) with that first token as a stop token ends after one step; a 1-token call (another
@@ -340,8 +349,10 @@ def run_cell(engine: str, size: str, precision: str, batches: list[int], max_tok
             rows.append(row)
             extra = (f"; decode {row['decode_ms_per_token']:.2f} ms/token = {row['pct_of_hbm_floor_raw']:.0f}% of "
                      f"the {row['floor_ms_per_token']:.2f} ms floor ({bw_src})" if "decode_ms_per_token" in row else "")
+            split = "".join(f", {what} {once[k]:.1f} s" for k, what in (("selftest_s", "kernel self-tests"),
+                                                                        ("autotune_s", "autotune")) if once[k] > 0)
             print(f"  {engine:8s} {size:7s} {precision:6s} prompt {row['prompt_len']:5d} batch {b:4d}: "
-                  f"{b * max_tokens / s:9.1f} tok/s ({s:.3f} s; first call {warm_s:.1f} s){extra}", flush=True)
+                  f"{b * max_tokens / s:9.1f} tok/s ({s:.3f} s; first call {warm_s:.1f} s{split}){extra}", flush=True)
             print("CELL_PARTIAL " + json.dumps(cell_result(rows)), flush=True)
     profile = None
     if profile_dir:  # one more call at the smallest batch, traced
@@ -554,6 +565,17 @@ def _write_atomic(path: str, text: str) -> None:
     os.replace(tmp, path)
 
 
+#: Issue 37 item 6's FP8 / bf16 tokens/s goals: Qwen3-8B >= 1.6x at b=1 and >= 1.3x at larger batches, Qwen3-30B-A3B
+#: >= 1.35x (the FP8-RL report: FP8 rollout +12-18% end to end for dense 8B, > 35% for 30B-A3B); 0.6B at least even.
+SPEEDUP_GOALS = {"8b": (1.6, 1.3), "30b-a3b": (1.35, 1.35), "0.6b": (1.0, 1.0)}
+
+
+def speedup_goal(model: str, batch: int) -> float | None:
+    """The FP8 / bf16 tokens/s goal of ``model`` at ``batch`` (:data:`SPEEDUP_GOALS`), or None (no goal)."""
+    g = SPEEDUP_GOALS.get(model)
+    return None if g is None else (g[0] if batch == 1 else g[1])
+
+
 def write_report(out: str, device: tuple[str, str], args, command: str, results: list[dict], unsupported: list[dict],
                  failures: list[dict], old: dict | None = None, memory: list[dict] | None = None,
                  complete: bool = True) -> str:
@@ -611,24 +633,41 @@ def write_report(out: str, device: tuple[str, str], args, command: str, results:
     for x in ratios:
         rl.append(f"| {x['model']} | {x['embedded']} | {x['vllm']} | "
                   + ", ".join(f"{k}: {v:.2f}x" for k, v in x["ratio"].items()) + " |")
-    # FP8 over bf16 in the same engine (issue 21's goals: 8B >= 1.25x at every batch, >= 1.6x at b=1; 0.6B >= 1.0x;
-    # 30B-A3B >= 1.35x; FP8 KV cache on top: >= 1.3x more at 4k contexts)
-    goals = {"8b": 1.25, "0.6b": 1.0, "30b-a3b": 1.35}
-    speedups = []
+    # FP8 over bf16 in the same engine: tokens/s (issue 37 item 6's goals, speedup_goal) and the first call's
+    # compile (item 5: at most 1.5x, first_call_compile_s: the first call less the one-time self-tests and tuning)
+    speedups, first = [], []
     for r in results:
         if r["precision"] not in ("fp8", "fp8_kv"):
             continue
         base = next((x for x in results if x["engine"] == r["engine"] and x["model"] == r["model"]
                      and x["precision"] == "bf16"), None)
         if base is not None:
+            sp = ratio_rows(r, base)
             speedups.append({"engine": r["engine"], "model": r["model"], "precision": r["precision"],
-                             "goal": goals.get(r["model"]),
-                             "speedup": {f"{p}:{b}": x for (p, b), x in ratio_rows(r, base).items()}})
-    sl = ["| engine | model | precision / bf16 | goal | prompt:batch speedups |", "|---|---|---|---|---|"]
+                             "goal": {f"{p}:{b}": speedup_goal(r["model"], b) for (p, b) in sp},
+                             "speedup": {f"{p}:{b}": x for (p, b), x in sp.items()}})
+            rows0 = {key(row): row for row in base["rows"]}
+            for row in r["rows"]:
+                row0 = rows0.get(key(row))
+                if row0 is None or "first_call_compile_s" not in row or "first_call_compile_s" not in row0:
+                    continue
+                first.append({"engine": r["engine"], "model": r["model"], "precision": r["precision"],
+                              "prompt_len": row["prompt_len"], "batch": row["batch"],
+                              "bf16_s": row0["first_call_compile_s"], "s": row["first_call_compile_s"],
+                              "first_call_s": row["first_call_s"], "selftest_s": row["first_call_selftest_s"],
+                              "autotune_s": row["first_call_autotune_s"],
+                              "ratio": row["first_call_compile_s"] / max(row0["first_call_compile_s"], 1e-9)})
+    sl = ["| engine | model | precision / bf16 | prompt:batch speedups (goal) |", "|---|---|---|---|"]
     for x in speedups:
         sl.append(f"| {x['engine']} | {x['model']} | {x['precision']} | "
-                  + (f">= {x['goal']}x" if x["goal"] else "-") + " | "
-                  + ", ".join(f"{k}: {v:.2f}x" for k, v in x["speedup"].items()) + " |")
+                  + ", ".join(f"{k}: {v:.2f}x" + (f" (>= {x['goal'][k]}x)" if x["goal"].get(k) else "")
+                              for k, v in x["speedup"].items()) + " |")
+    cl = ["| engine | model | precision | prompt | batch | first call s | of it: self-tests s, autotune s | compile s "
+          "(bf16's) | ratio (goal <= 1.5x) |", "|---|---|---|---|---|---|---|---|---|"]
+    for x in first:
+        cl.append(f"| {x['engine']} | {x['model']} | {x['precision']} | {x['prompt_len']} | {x['batch']} | "
+                  f"{x['first_call_s']:.1f} | {x['selftest_s']:.1f}, {x['autotune_s']:.1f} | {x['s']:.1f} "
+                  f"({x['bf16_s']:.1f}) | {x['ratio']:.2f}x |")
     fl = ["| engine | model | precision | prompt | decode ms/token | floor ms/token | % of HBM floor | "
           "floor bandwidth GB/s (source) | measured read GB/s |", "|---|---|---|---|---|---|---|---|---|"]
     capped = []
@@ -663,6 +702,10 @@ def write_report(out: str, device: tuple[str, str], args, command: str, results:
     text += "\n".join(lines) + "\n\nEmbedded engine / vLLM throughput (same model and prompts):\n\n" + "\n".join(rl)
     if speedups:
         text += "\n\nFP8 over bf16 in the same engine (tokens/s ratio):\n\n" + "\n".join(sl)
+    if first:
+        text += ("\n\nFirst call (the program's compile) against bf16's at the same prompt and batch: the first "
+                 "`generate` less what it spent on one-time kernel self-tests and on the autotuner (each runs once "
+                 "per process, inside the first trace that needs it; 0 without a GPU):\n\n" + "\n".join(cl))
     if len(fl) > 2:
         text += ("\n\nDecode at b=1 against the HBM floor (bytes one step must read: served weights, active experts "
                  "only, KV cache at the mean context; over the HBM read bandwidth: the GPU's datasheet figure, or a "
@@ -692,7 +735,8 @@ def write_report(out: str, device: tuple[str, str], args, command: str, results:
     _write_atomic(out + ".json", json.dumps(
         {"benchmark": "bench_rollout", "device": {"kind": kind, "name": name}, "command": command,
          "complete": complete, "max_tokens": args.max_tokens, "batches": batches, "cells": results, "ratios": ratios,
-         "fp8_speedups": speedups, "memory": memory, "unsupported": unsupported, "failures": failures}, indent=2))
+         "fp8_speedups": speedups, "fp8_first_call": first, "memory": memory, "unsupported": unsupported,
+         "failures": failures}, indent=2))
     _write_atomic(out + ".md", text)
     return text
 

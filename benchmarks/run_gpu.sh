@@ -19,6 +19,11 @@
 #   env       nvidia-smi, versions; unpack the wheels whose packages are missing into .whl/site (on PYTHONPATH);
 #             import what each stage needs (benchmarks/gpu_quick.py check: requirements.json names what is missing)
 #   selftest  every kernel family's self-test (fp8rl_jax.kernels.registry.FAMILIES) on the GPU -> selftest.json
+#   autotune  benchmarks/autotune_sweep.py: the autotuner times the engine's decode and prefill GEMM keys (Qwen3-8B,
+#             in the order the later stages use them; keys in the shipped tables are skipped) into $OUT/autotuning,
+#             which every later stage reads with FP8RL_AUTOTUNE=cached (no later stage tunes); the tables to ship
+#             (merged with the shipped ones) in $OUT/results/autotuning/<device_kind>/<op>.json: commit them to
+#             fp8rl_jax/kernels/data/autotuning/
 #   tests     every GPU test (pytest -m gpu; the files that hold GPU-marked tests), ONE pytest per file, -v
 #             --tb=short -rf, GPU_TEST_JOBS (default 2) files at a time (XLA_PYTHON_CLIENT_PREALLOCATE=false), each
 #             failure printed as it happens (benchmarks/pytest_live_report.py); merged into
@@ -63,7 +68,7 @@ cd "$(dirname "$0")/.." || exit 1
 
 # ---------------------------------------------------------------------------------------------------- quick mode
 # stage:cap_seconds, in run order; the caps sum to QUICK_BUDGET (tests/test_run_gpu.py checks it)
-QUICK_PLAN="env:20 selftest:30 tests:130 rollout:110 gemm:35 sync:45 train:75 queue:35"
+QUICK_PLAN="env:20 selftest:30 autotune:45 tests:115 rollout:110 gemm:35 sync:45 train:60 queue:20"
 QUICK_BUDGET=480
 QUEUE_SCRIPT_LIMIT=${GPU_QUEUE_SCRIPT_LIMIT:-60}
 
@@ -172,6 +177,14 @@ PY
 
   [[ $selected == *" selftest "* ]] && run_stage selftest "$PY" benchmarks/gpu_quick.py selftest --out "$O/results/selftest.json" \
     ${GPU_QUICK_ALLOW_CPU:+--allow_cpu}
+  # the autotuner's sweep (issue 37 item 3): its cache serves every later stage, which only reads it (cached mode:
+  # no stage after this one spends its time tuning); the tables to ship land in $O/results/autotuning
+  export FP8RL_AUTOTUNE_CACHE="$O/autotuning"
+  # its tuning budget: the stage's limit less ~15 s for the process's start, its self-tests and one candidate's overrun
+  local tune_s; tune_s=$(( $(stage_limit autotune) - 15 )); (( tune_s < 5 )) && tune_s=5
+  [[ $selected == *" autotune "* ]] && run_stage autotune "$PY" benchmarks/autotune_sweep.py --cache "$O/autotuning" \
+    --ship_out "$O/results/autotuning" --budget_s "$tune_s"
+  export FP8RL_AUTOTUNE=${FP8RL_AUTOTUNE:-cached}
 
   if [[ $selected == *" tests "* ]]; then
     local t lim files f jobs=${GPU_TEST_JOBS:-2} deadline rc

@@ -566,6 +566,12 @@ def _progress(res: dict) -> None:
 # --------------------------------------------------------------------------------------------------------------------
 # Merging and writing
 
+def per_layer(at_layers, at_count_layers):
+    """What one added decoder layer adds: ``(value at LAYERS_FOR_COUNT layers - value at LAYERS) / (LAYERS_FOR_COUNT -
+    LAYERS)`` (the slope between the two compiles of a generate program)."""
+    return (at_count_layers - at_layers) / (LAYERS_FOR_COUNT - LAYERS)
+
+
 def merge(names: list[str], results: dict[str, dict]) -> list[dict]:
     """One record per program: the 2-layer compile's fields, plus for generate programs the per-layer kernel count
     from the 4-layer compile."""
@@ -606,18 +612,17 @@ def merge(names: list[str], results: dict[str, dict]) -> list[dict]:
                     rec["error"] = ((rec.get("error") or "") + f"\n[{LAYERS_FOR_COUNT} layers] {r4.get('error')}"
                                     ).replace(ROOT + os.sep, "")
                 elif k2 is not None and r4.get("loop_body_kernels") is not None:
-                    per = (r4["loop_body_kernels"] - k2) / (LAYERS_FOR_COUNT - LAYERS)
+                    per = per_layer(k2, r4["loop_body_kernels"])
                     rec["kernels_per_layer_per_token"] = per
                     rec["kernels_outside_layers_per_token"] = k2 - LAYERS * per
                     b2, b4 = r.get("loop_body_breakdown") or {}, r4.get("loop_body_breakdown") or {}
-                    rec["kernels_per_layer_breakdown"] = {k: (b4.get(k, 0) - b2.get(k, 0)) / (LAYERS_FOR_COUNT - LAYERS)
+                    rec["kernels_per_layer_breakdown"] = {k: per_layer(b2.get(k, 0), b4.get(k, 0))
                                                           for k in sorted(set(b2) | set(b4))}
                 if r4.get("compiled") and rec["kernels_built"] is not None and r4.get("kernels_built") is not None:
-                    rec["kernels_built_per_layer"] = (r4["kernels_built"] - rec["kernels_built"]) / (
-                        LAYERS_FOR_COUNT - LAYERS)
+                    rec["kernels_built_per_layer"] = per_layer(rec["kernels_built"], r4["kernels_built"])
                 g2, g4 = r.get("loop_body_gemm_bytes"), r4.get("loop_body_gemm_bytes")
                 if r4.get("compiled") and g2 is not None and g4 is not None:
-                    rec["gemm_bytes_per_layer_per_token"] = (g4 - g2) // (LAYERS_FOR_COUNT - LAYERS)
+                    rec["gemm_bytes_per_layer_per_token"] = int(per_layer(g2, g4))
             rec.update(layer_weight_bytes(p))
         out.append(rec)
     return out

@@ -107,6 +107,37 @@ def test_read_bandwidth_is_positive_on_the_cpu():
     assert read_bandwidth_GBps(1 << 22, repeats=2) > 0
 
 
+def test_report_splits_the_first_call_and_holds_issue_37s_goals(tmp_path):
+    """The report's first-call table: each FP8 row's compile is its first call less the self-tests and the tuning
+    it paid, over bf16's at the same prompt and batch; the speedup table names issue 37's goal per batch."""
+    import argparse
+
+    from bench_rollout import write_report
+
+    def row(b, tps, first, selftest=0.0, autotune=0.0):
+        return {"prompt_len": 32, "batch": b, "seconds": 1.0, "tokens_per_s": tps, "first_call_s": first,
+                "first_call_selftest_s": selftest, "first_call_autotune_s": autotune,
+                "first_call_compile_s": first - selftest - autotune}
+
+    def cell(precision, rows):
+        return {"engine": "embedded", "model": "8b", "precision": precision, "weights_served": precision,
+                "peak_memory_MiB": 1.0, "prompt_tokens_mean": 32.0, "rows": rows}
+
+    cells = [cell("bf16", [row(1, 200.0, 11.0), row(32, 5000.0, 19.0)]),
+             cell("fp8", [row(1, 340.0, 30.0, selftest=4.0, autotune=9.5), row(32, 6000.0, 26.0, autotune=1.0)])]
+    args = argparse.Namespace(batches="1,32", max_tokens=32, repeats=1)
+    text = write_report(str(tmp_path / "r"), ("gpu", "NVIDIA H200"), args, "cmd", cells, [], [])
+    d = json.loads((tmp_path / "r.json").read_text())
+    first = {x["batch"]: x for x in d["fp8_first_call"]}
+    assert first[1]["s"] == 16.5 and first[1]["bf16_s"] == 11.0 and first[32]["s"] == 25.0
+    np.testing.assert_allclose([first[1]["ratio"], first[32]["ratio"]], [16.5 / 11.0, 25.0 / 19.0], rtol=1e-12)
+    assert "| embedded | 8b | fp8 | 32 | 1 | 30.0 | 4.0, 9.5 | 16.5 (11.0) | 1.50x |" in text
+    sp = d["fp8_speedups"][0]
+    assert sp["goal"] == {"32:1": 1.6, "32:32": 1.3}
+    np.testing.assert_allclose([sp["speedup"]["32:1"], sp["speedup"]["32:32"]], [1.7, 1.2], rtol=1e-12)
+    assert "32:1: 1.70x (>= 1.6x), 32:32: 1.20x (>= 1.3x)" in text
+
+
 def test_each_row_is_written_as_it_ends_and_survives_a_kill(tmp_path):
     """A tiny random Qwen3, two cells (bf16, fp8), --floor: the result files appear while the run goes on (after the
     first cell's rows, before the second cell is done), hold valid JSON with the floor figures, and stay when the

@@ -14,6 +14,8 @@ warp-instructions per weight byte); the compiled PTX is read by scripts/compile_
 
 from __future__ import annotations
 
+import dataclasses
+import jax
 import numpy as np
 import pytest
 import jax.numpy as jnp
@@ -99,6 +101,39 @@ def test_default_configs_meet_the_roofline_checks(name, n, k):
         assert r.loop_instructions_per_weight_byte <= 0.15, (name, m, cfg, r)
 
 
+@pytest.mark.parametrize("name,n,k", SHAPES, ids=[f"{s[0]}_{s[1]}x{s[2]}" for s in SHAPES])
+def test_every_tuner_candidate_passes_the_roofline_checks(name, n, k):
+    """What the tuner may choose (and a shipped table hold) passes issue 37 item 4's arithmetic checks at every
+    decode M, recomputed here from the configuration's own grid (CTAs over 132 SMs x the CTAs per SM) and ring, with
+    the checks' thresholds of fp8rl_jax.kernel_roofline (the kernel's own constants must equal them)."""
+    from fp8rl_jax import kernel_roofline as kr
+
+    assert (dg.MIN_WAVE_EFFICIENCY, dg.MIN_BYTES_IN_FLIGHT_PER_SM) == (kr.MIN_WAVE_EFFICIENCY,
+                                                                        kr.MIN_BYTES_IN_FLIGHT_PER_SM)
+    dropped = 0
+    for m in (1, 8, 16, 32, 64):
+        m_pad, kb = dg.padded_tokens(m), -(-k // 128)
+        cands = dg.candidate_configs(n, k, m)
+        assert cands[0] == dg.choose_config(n, k, m) and len(set(cands)) == len(cands)
+        for cfg in cands:
+            cfg.validate(m_pad, kb, n)
+            r = dg.roofline(cfg, n, k, m)
+            per_sm = cfg.ctas_per_sm(m_pad)
+            ctas = r.grid[0] * r.grid[1]
+            waves = -(-ctas // (132 * per_sm))
+            if not cfg.stream_k_ctas:
+                assert r.wave_efficiency == pytest.approx(ctas / (waves * 132 * per_sm))
+            assert r.wave_efficiency >= kr.MIN_WAVE_EFFICIENCY, (name, m, cfg, r)
+            assert r.bytes_in_flight_per_sm >= kr.MIN_BYTES_IN_FLIGHT_PER_SM, (name, m, cfg, r)
+        # the half-split neighbour of a 2-way split (e.g. 0.485 waves) is what the filter drops
+        base = cands[0]
+        half = dataclasses.replace(base, splits=max(1, base.splits // 2))
+        if half != base and dg.roofline(half, n, k, m).wave_efficiency < kr.MIN_WAVE_EFFICIENCY:
+            assert half not in cands
+            dropped += 1
+    assert dropped or name.startswith("qkv"), "the filter was never exercised"
+
+
 def test_roofline_arithmetic():
     """Wave efficiency and bytes in flight by hand for one configuration: 48 x 8 = 384 CTAs of 6-stage rings with
     8 tokens ((128 + 8) * 128 + 32 = 17,440 B a stage), one CTA per SM (registers), so 384 CTAs take 3 waves of
@@ -160,9 +195,9 @@ def test_tuned_config_is_the_arithmetic_choice_without_a_gpu_and_tuned_with_one(
     fast = cands[-1]
     timed = []
 
-    def timer(fn, args):
+    def timer(fn, args):  # XLA's own path is timed last, after every configuration
         timed.append(1)
-        return 1e-6 if len(timed) == len(cands) else 1e-3  # the last candidate timed is the fastest
+        return 1e-6 if len(timed) == len(cands) else 1e-3  # the last configuration timed is the fastest
 
     # run the candidates' kernels in interpret mode on this CPU: patch the compiled call to the interpreter
     real = dg._partials
@@ -171,6 +206,43 @@ def test_tuned_config_is_the_arithmetic_choice_without_a_gpu_and_tuned_with_one(
     tuner.reset()
     with tuner.autotune_mode_scope("on"):
         got = dg.tuned_config(n, k, m)
-    assert len(timed) == len(cands) and got == fast, (got, fast, tuner.report())
-    assert any(r["op"] == "decode_gemm" and r["choice"] == dg._config_name(fast) for r in tuner.report())
+    assert len(timed) == len(cands) + 1 and got == fast, (got, fast, tuner.report())
+    assert any(r["op"] == "decode_gemm" and r["choice"] == dg._config_name(fast) and "xla" in r["timings_us"]
+               for r in tuner.report())
 
+
+def test_xla_path_measured_fastest_computes_the_product_in_xla(monkeypatch, tmp_path):
+    """Issue 37 item 3: XLA's own path is one of the tuner's candidates. Where it measures fastest, tuned_config says
+    so (None) and the decode functions compute the product with it: no kernel staged, the float64 product's
+    values (the dequantized operands are exact in float32), in the partials' layout."""
+    from conftest import fake_cuda_tuner
+    from fp8rl_jax.kernels import tuner
+    from fp8rl_jax.kernels.pallas_gemm import selftest_operands, w8a8_reference
+
+    monkeypatch.setenv("FP8RL_AUTOTUNE_CACHE", str(tmp_path))
+    monkeypatch.setenv("FP8RL_AUTOTUNE_BUDGET_S", "900")
+    n, k, m = 128, 256, 3
+    real = dg._partials
+    monkeypatch.setattr(dg, "_partials", lambda *a, **kw: real(*a, **dict(kw, interpret=True)))
+    names = []
+
+    def timer(fn, args):  # the last one timed (XLA's) is the fastest
+        names.append(fn)
+        return 1e-6 if fn.__wrapped__ is dg.xla_w8a8_product else 1e-3
+
+    fake_cuda_tuner(monkeypatch, timer)
+    tuner.reset()
+    try:
+        with tuner.autotune_mode_scope("on"):
+            assert dg.tuned_config(n, k, m) is None
+            assert tuner.report()[-1]["choice"] == "xla"
+            _, xq, xs, wq, ws = selftest_operands(m, n, k, seed=4)
+            staged = jax.make_jaxpr(lambda *a: dg.decode_w8a8_matmul(*a))(*(jnp.asarray(a) for a in (xq, xs, wq, ws)))
+            assert "pallas_call" not in str(staged) and "mosaic" not in str(staged)
+            y = dg.decode_w8a8_matmul(*(jnp.asarray(a) for a in (xq, xs, wq, ws)))
+            parts = dg.decode_w8a8_partials(*(jnp.asarray(a) for a in (xq, xs, wq, ws)))
+    finally:
+        tuner.reset()
+    ref, bound = w8a8_reference(xq, xs, wq, ws)
+    assert parts.shape == (1, n, dg.padded_tokens(m))
+    np.testing.assert_allclose(np.asarray(y, np.float64), ref, rtol=0, atol=float(np.max(bound)) * 2.0 ** -10)

@@ -38,6 +38,37 @@ def test_activation_kernel_bit_exact(shape, ue8m0):
               quant.quantize_activation_groupwise(x, 128, ue8m0, recipe=recipe))
 
 
+@pytest.mark.parametrize("m,k", [(1, 4096), (5, 300), (20, 256), (33, 384), (64, 128)])
+def test_decode_operand_quantizer_writes_the_decode_kernels_layout(m, k):
+    """``quantize_activation_for_decode`` (the swap-AB decode GEMM's input, issue 37 item 1), in interpret mode:
+    the e4m3 values and scales of the independent numpy quantizer (1x128 groups, vLLM QuantFP8 native rounding),
+    laid out as the kernel reads them: rows zero-padded to m_pad (8, 24, 40: Triton blocks of a power of two
+    rows), K to whole groups, the scales transposed; a padded row's scale is the zero row's (floored amax / 448),
+    and every zero value dequantizes to zero. The portable path gives the same bits."""
+    import fp8_numpy_ref as ref
+    from fp8rl_jax.kernels.decode_gemm_mgpu import padded_tokens
+    from fp8rl_jax.kernels.pallas_quant import quantize_activation_for_decode
+
+    rng = np.random.default_rng(m)
+    x64 = rng.standard_normal((m, k)) * np.logspace(-3, 2, k)
+    x = jnp.asarray(x64, jnp.bfloat16)
+    m_pad, kb = padded_tokens(m), -(-k // 128)
+    q, st = quantize_activation_for_decode(x, m_pad, interpret=True)
+    assert q.shape == (m_pad, kb * 128) and q.dtype == jnp.float8_e4m3fn and st.shape == (kb, m_pad)
+    rq, rs = ref.quantize_blocks(np.asarray(x, np.float32), 1, 128, formats.ACTIVATION_RECIPE)
+    zq, zs = ref.quantize_blocks(np.zeros((1, 128), np.float32), 1, 128, formats.ACTIVATION_RECIPE)
+    want_q = np.zeros((m_pad, kb * 128), np.uint8)
+    want_q[:m, :k] = np.asarray(rq).view(np.uint8)
+    want_s = np.concatenate([rs, np.broadcast_to(zs, (m_pad - m, kb))], axis=0).T
+    np.testing.assert_array_equal(np.asarray(q).view(np.uint8), want_q)
+    np.testing.assert_array_equal(np.asarray(st), want_s)
+    pq, ps = quantize_activation_for_decode(x, m_pad, cuda=False)
+    np.testing.assert_array_equal(np.asarray(pq).view(np.uint8), want_q)
+    np.testing.assert_array_equal(np.asarray(ps), want_s)
+    with pytest.raises(ValueError, match="m_pad must be a multiple of 8"):
+        quantize_activation_for_decode(x, m_pad + 4, interpret=True)
+
+
 def test_kernel_zero_blocks_and_nonfinite():
     x = jnp.zeros((256, 256), jnp.float32).at[200, 200].set(7.0)
     _same(pallas_quantize_weight_blockwise(x, interpret=True), quant.quantize_weight_blockwise(x))

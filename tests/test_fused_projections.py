@@ -350,7 +350,8 @@ def _launches(hlo: str) -> collections.Counter:
     decode kernel's A operand), counted through the call graph from ``@main`` (tests/hlo_calls.py)."""
 
     def weight_shape(line):
-        m = re.search(r"tensor<(\d+x\d+)xf8E4M3FN>", line)
+        operands = line.rsplit(" : (", 1)[-1].split(") ->", 1)[0]  # the operand types, not the results
+        m = re.search(r"tensor<(\d+x\d+)xf8E4M3FN>", operands)
         return m.group(1) if m else "other"
 
     return triton_launches(hlo, weight_shape, match=is_kernel)
@@ -358,7 +359,8 @@ def _launches(hlo: str) -> collections.Counter:
 
 def test_decode_step_lowers_to_one_split_k_launch_per_fused_linear_for_cuda():
     """One decode step of the FP8 model lowered for CUDA on this CPU: every FP8 linear is one launch of the swap-AB
-    split-K decode kernel (issue 37; the activation quantized once before it by the ``quant`` family's kernel);
+    split-K decode kernel (issue 37; the activation quantized once before it, straight into the kernel's layout, by
+    the ``quant`` family's decode operand quantizer);
     fused, a layer launches qkv, o, gate_up and down (4) instead of q, k, v, o, gate, up, down (7). No other kernel
     is left in the step."""
     from test_fp8_pallas import _lower_for_cuda
@@ -382,7 +384,7 @@ def test_decode_step_lowers_to_one_split_k_launch_per_fused_linear_for_cuda():
         names[fuse] = set(re.findall(r"fp8_decode_gemm_swapab_wgmma", hlo)) | {
             re.search(r"tt\.func public @(\w+)", k).group(1) for k in kernels}
     n_layers = cfg.num_hidden_layers
-    assert names[False] == names[True] == {"fp8_decode_gemm_swapab_wgmma", "fp8_blockwise_quant"}
+    assert names[False] == names[True] == {"fp8_decode_gemm_swapab_wgmma", "fp8_decode_operand_quant"}
     h, i = cfg.hidden_size, cfg.intermediate_size
     q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
 

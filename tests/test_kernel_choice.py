@@ -151,6 +151,38 @@ def test_selftest_runs_once_even_mid_trace(cpu_as_gpu, monkeypatch):
     assert runs == [4.0]
 
 
+def test_selftest_seconds_records_each_run_passed_or_failed(cpu_as_gpu, monkeypatch):
+    """``selftest_seconds`` (what bench_rollout subtracts from a first call) holds each family's self-test wall time,
+    at least what the test itself measured, once per process, for a failing test too."""
+    import time
+
+    monkeypatch.setattr(registry, "_selftest_s", {})
+    took = {}
+
+    def slow(name, fail=False):
+        def test():
+            t0 = time.perf_counter()
+            time.sleep(0.02)
+            took[name] = time.perf_counter() - t0
+            if fail:
+                raise registry.KernelMismatch("1 code differs")
+        return test
+
+    monkeypatch.setitem(registry._selftests, "quant", slow("quant"))
+    monkeypatch.setitem(registry._selftests, "w8a8_gemm", slow("w8a8_gemm", fail=True))
+    assert registry.selftest_seconds() == {}
+    assert registry.use_kernel("quant") is True
+    with pytest.warns(RuntimeWarning, match="1 code differs"):
+        assert registry.use_kernel("w8a8_gemm") is False
+    secs = registry.selftest_seconds()
+    assert set(secs) == {"quant", "w8a8_gemm"}
+    assert all(took[f] <= secs[f] < took[f] + 5.0 for f in secs)
+    registry.use_kernel("quant")  # decided: not run again, not charged again
+    assert registry.selftest_seconds() == secs
+    secs["quant"] = -1.0  # a copy
+    assert registry.selftest_seconds()["quant"] > 0
+
+
 def test_a_family_without_a_registered_selftest_fails_it(cpu_as_gpu, monkeypatch):
     """A kernel whose module never registered its self-test is not trusted untested (the grouped-expert module was
     once imported only inside its kernel branch, after the choice)."""
@@ -213,7 +245,8 @@ def test_each_kernel_selftest_passes_and_catches_a_wrong_kernel(family, monkeypa
     from fp8rl_jax.kernels import pallas_attention, pallas_grouped, pallas_quant
     from fp8rl_jax.kernels import decode_gemm_mgpu, decode_grouped_mgpu
 
-    mod, fns = {"quant": (pallas_quant, ["_pallas_quantize_3d"]), "decode_gemm": (decode_gemm_mgpu, ["_partials"]),
+    mod, fns = {"quant": (pallas_quant, ["_pallas_quantize_3d", "_pallas_quantize_for_decode"]),
+                "decode_gemm": (decode_gemm_mgpu, ["_partials"]),
                 "grouped_decode": (decode_grouped_mgpu, ["_grouped"]),
                 "grouped_experts": (pallas_grouped, ["_grouped"]),
                 "fp8_kv_attention": (pallas_attention, ["_decode", "_prefill"])}[family]
@@ -237,7 +270,8 @@ def test_each_kernel_selftest_passes_and_catches_a_wrong_kernel(family, monkeypa
             if family == "quant":
                 q, s = out
                 bits = lax.bitcast_convert_type(q, jnp.uint8)
-                return lax.bitcast_convert_type(bits.at[0, 0, 0].set(bits[0, 0, 0] ^ 1), q.dtype), s
+                first = (0,) * q.ndim
+                return lax.bitcast_convert_type(bits.at[first].set(bits[first] ^ 1), q.dtype), s
             # the Mosaic decode GEMM's bound is 2**-10 of each output's sum of |terms| (Hopper's FP8 wgmma), about
             # 2**-6.5 of the output itself for these K ~ 300 random products: a 2**-4 wrong scale is what it must
             # catch; the Triton kernels' bounds are tighter
@@ -419,3 +453,22 @@ def test_moe_block_lowered_for_cuda_concatenates_no_stacks_and_scatter_adds_noth
     assert regions  # the inverse permutation is a scatter (of unique indices, a set)
     for region in regions:  # integer adds (bincount's group sizes) are exact in any order; float adds are not
         assert not re.search(r"stablehlo\.add .*: tensor<(f|bf)\d+>", region), region
+
+
+@pytest.mark.parametrize("rows", [3, 100])
+def test_linear_with_a_non_128_block_size_matches_float64_in_every_kernel_mode(rows):
+    """``w8a8_block_matmul``'s "auto" choice with 64-wide blocks (no kernel family serves them: XLA's own path, family
+    None, beyond 64 rows) in each ``FP8RL_KERNELS`` mode: the float64 product of the independently quantized
+    operands (numpy reference: 1x64 activation groups, 64x64 weight blocks)."""
+    import fp8_numpy_ref as ref
+    from fp8rl_jax.fp8.linear import w8a8_block_matmul
+
+    rng = np.random.default_rng(rows)
+    x = rng.standard_normal((rows, 128)).astype(np.float32)
+    wq, ws = ref.quantize_blocks(rng.standard_normal((192, 128)).astype(np.float32), 64, 64, formats.WEIGHT_RECIPE)
+    xq, xs = ref.quantize_blocks(x, 1, 64, formats.ACTIVATION_RECIPE)
+    want = ref.dequantize_blocks(xq, xs, 1, 64) @ ref.dequantize_blocks(wq, ws, 64, 64).T
+    for mode in ("auto", "xla", "pallas"):
+        with registry.kernel_mode_scope(mode):
+            y = w8a8_block_matmul(jnp.asarray(x), jnp.asarray(wq), jnp.asarray(ws), 64, jnp.float32)
+        np.testing.assert_allclose(np.asarray(y, np.float64), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())

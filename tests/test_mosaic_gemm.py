@@ -286,16 +286,18 @@ def test_prefill_tuner_candidates_and_choice(monkeypatch, tmp_path):
     tuner.reset()
     with tuner.autotune_mode_scope("on"):
         got = mg.tuned_config(m, n, k)
-    assert got.persistent_ctas == 114 and len(timed) == len(cands), (got, tuner.report())
+    # every configuration and XLA's own path (timed last) were timed
+    assert got.persistent_ctas == 114 and len(timed) == len(cands) + 1, (got, tuner.report())
     cands = mg.candidate_configs(m, n, sms=114)
     assert got == cands[-1]
-    assert any(r["op"] == "w8a8_gemm" and r["choice"] == mg.config_name(cands[-1]) for r in tuner.report())
+    assert any(r["op"] == "w8a8_gemm" and r["choice"] == mg.config_name(cands[-1]) and mg.XLA_CANDIDATE in
+               r["timings_us"] for r in tuner.report())
     stored = list(tmp_path.rglob("w8a8_gemm.json"))
     assert len(stored) == 1 and mg.config_name(cands[-1]) in stored[0].read_text()
     tuner.reset()  # a new process: the stored choice, nothing timed
     try:
         with tuner.autotune_mode_scope("cached"):
-            assert mg.tuned_config(m, n, k) == cands[-1] and len(timed) == len(cands)
+            assert mg.tuned_config(m, n, k) == cands[-1] and len(timed) == len(cands) + 1
         # an e5m2 product or a large M is another key: nothing stored for it, the default
         keys = []
         monkeypatch.setattr(tuner, "select", lambda op, key, c, *a, **kw: keys.append(key) or select(op, key, c, *a,

@@ -26,8 +26,9 @@ sys.path.insert(0, BENCH)
 import gpu_quick  # noqa: E402
 from gpu_train_smoke import check_metrics  # noqa: E402
 
-#: the quick stages in the order issue 36 asks for them (env first: packages and the import check)
-QUICK_ORDER = ["env", "selftest", "tests", "rollout", "gemm", "sync", "train", "queue"]
+#: the quick stages in the order issues 36 and 37 ask for them (env first: packages and the import check; the
+#: autotuner's sweep its own stage, before every stage that runs an FP8 kernel)
+QUICK_ORDER = ["env", "selftest", "autotune", "tests", "rollout", "gemm", "sync", "train", "queue"]
 
 
 def _env(**extra):
@@ -301,3 +302,21 @@ def test_random_model_dir_loads_like_a_checkpoint_and_its_eos_bias_works(tmp_pat
     assert plain < 3.0 / cfg.vocab_size
     _, _, biased = p_eos(5.0)
     assert biased > 0.05
+
+
+def test_quick_autotune_stage_hands_its_cache_to_the_later_stages_read_only(tmp_path):
+    """The autotune stage (benchmarks/autotune_sweep.py; no GPU here: it says so and passes) points every later stage
+    at its cache with FP8RL_AUTOTUNE=cached, so no later stage spends its time tuning."""
+    q = tmp_path / "queue"
+    q.mkdir()
+    (q / "01_env.sh").write_text('echo "mode=$FP8RL_AUTOTUNE cache=$FP8RL_AUTOTUNE_CACHE"\n')
+    out = tmp_path / "out"
+    env = _env(OUT=str(out), GPU_QUEUE_DIR=str(q), GPU_QUICK_ALLOW_CPU="1", PY=sys.executable)
+    env.pop("FP8RL_AUTOTUNE", None)
+    r = subprocess.run(["bash", RUN_GPU, "quick", "autotune", "queue"], capture_output=True, text=True, timeout=300,
+                       cwd=ROOT, env=env)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "autotune_sweep: no CUDA GPU in this process" in r.stdout
+    assert f"mode=cached cache={out}/autotuning" in (out / "queue" / "01_env.log").read_text()
+    summary = json.loads((out / "quick_summary.json").read_text())
+    assert [(x["stage"], x["rc"]) for x in summary["stages"]] == [("autotune", 0), ("queue", 0)]

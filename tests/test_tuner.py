@@ -541,3 +541,54 @@ def test_default_timers_run_on_cpu(gpu, monkeypatch):
     assert chosen.name in {c.name for c in _three()}
     entry = json.loads(_user_file().read_text())["entries"][tuner.canonical_key(KEY)][jax.__version__]
     assert entry["timer"] == "wall" and len(entry["timings_us"]) == 3
+
+
+def test_spent_s_charges_the_tuning_wall_time_and_nothing_else(gpu, monkeypatch):
+    """``spent_s`` (what a first call less its compile is, in bench_rollout) grows by at least the time the timer
+    slept for each timed candidate, not for stored or off-mode choices, and ``reset`` zeroes it."""
+    assert tuner.spent_s() == 0.0
+    slept = []
+
+    class SleepyTimer(FakeTimer):
+        def __call__(self, fn, args):
+            t0 = time.perf_counter()
+            time.sleep(0.02)
+            slept.append(time.perf_counter() - t0)
+            return super().__call__(fn, args)
+
+    t0 = time.monotonic()
+    tuner.select("decode_gemm", KEY, _three(), _args, timer=SleepyTimer())
+    wall = time.monotonic() - t0
+    assert len(slept) == 3 and sum(slept) <= tuner.spent_s() <= wall
+    before = tuner.spent_s()
+    tuner.select("decode_gemm", KEY, _three(), _never, timer=_never_timer)  # this process's memo: nothing timed
+    with tuner.autotune_mode_scope("off"):
+        tuner.select("decode_gemm", dict(KEY, **{"M<=": 16}), _three(), _never, timer=_never_timer)
+    assert tuner.spent_s() == before
+    tuner.reset()
+    assert tuner.spent_s() == 0.0
+
+
+def test_export_table_merges_this_runs_entries_over_the_shipped_table(gpu, tmp_path, monkeypatch):
+    """The table to ship: the shipped entries kept (other keys, other JAX versions), this JAX version's user-cache
+    entries merged in, in the schema select() reads back as "shipped"."""
+    assert tuner.export_table("decode_gemm", H100, tmp_path / "ship") is None  # nothing tuned: nothing written
+    old_key, new_key = (tuner.canonical_key(dict(KEY, **{"M<=": m})) for m in (64, 16))
+    _write_table(tuner.shipped_table_path("decode_gemm", H100), {
+        old_key: {"0.1.0": _entry({"xla": 40.0, "swapab(stages=4,splits=2)": 5.0}, "0.1.0")}})
+    tuner.select("decode_gemm", dict(KEY, **{"M<=": 16}), _three(), _args, timer=FakeTimer())  # tuned: user cache
+    out = tuner.export_table("decode_gemm", H100, tmp_path / "ship")
+    assert out == tmp_path / "ship" / tuner.sanitize_device_kind(H100) / "decode_gemm.json"
+    data = json.loads(out.read_text())
+    assert (data["schema"], data["op"], data["device_kind"]) == (1, "decode_gemm", H100)
+    assert set(data["entries"]) == {old_key, new_key}
+    assert set(data["entries"][old_key]) == {"0.1.0"}
+    assert data["entries"][old_key]["0.1.0"]["choice"] == "swapab(stages=4,splits=2)"
+    assert data["entries"][new_key][jax.__version__]["choice"] == "swapab(stages=6,splits=4)"
+    # shipped from there (and the user cache gone), it is read back as a shipped table: nothing timed
+    tuner.reset()
+    _user_file().unlink()
+    monkeypatch.setattr(tuner, "_SHIPPED_ROOT", tmp_path / "ship")
+    assert tuner.select("decode_gemm", dict(KEY, **{"M<=": 16}), _three(), _never,
+                        timer=_never_timer).name == "swapab(stages=6,splits=4)"
+    assert tuner.report()[-1]["source"] == "shipped"

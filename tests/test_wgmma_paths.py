@@ -258,20 +258,28 @@ def _linear_args(m, n=256, k=256, lead=()):
 
 
 @pytest.mark.parametrize("m,want", [(1, "mosaic:fp8_decode_gemm_swapab_wgmma"),
+                                    (20, "mosaic:fp8_decode_gemm_swapab_wgmma"),  # 24 padded tokens
                                     (64, "mosaic:fp8_decode_gemm_swapab_wgmma"),
                                     (65, "mosaic:fp8_blockwise_gemm_wgmma"), (128, "mosaic:fp8_blockwise_gemm_wgmma"),
                                     (4096, "mosaic:fp8_blockwise_gemm_wgmma")])
 def test_linear_lowers_to_the_quant_kernel_and_one_gemm_chosen_by_m(m, want):
-    """The engine's FP8 linear (``"auto"``): two launches, the ``quant`` family's activation kernel (1x128 groups,
-    ``pallas_quant.quantize_activation_groupwise_dispatch``) and the GEMM: the swap-AB decode kernel for M <= 64 and
-    the Mosaic GEMM above, both with two e4m3 operands."""
-    quant = "triton:fp8_blockwise_quant"
+    """The engine's FP8 linear (``"auto"``): two launches, a ``quant`` family kernel (1x128 groups) and the GEMM:
+    for M <= 64 the decode operand quantizer (``pallas_quant.quantize_activation_for_decode``, which writes the
+    padded values and transposed scales the swap-AB decode kernel reads: no pad or transpose of them is left to
+    XLA) and the swap-AB kernel; above, ``quantize_activation_groupwise_dispatch`` and the Mosaic GEMM; both GEMMs
+    with two e4m3 operands."""
+    quant = "triton:fp8_decode_operand_quant" if m <= 64 else "triton:fp8_blockwise_quant"
     hlo = _cuda(lambda *a: linear.w8a8_block_matmul(*a), *_linear_args(m))
     assert launches(hlo) == collections.Counter({quant: 1, want: 1}), launches(hlo)
     assert all(t.count("f8E4M3FN") == 2 for t in mosaic_operand_types(hlo))
+    if m <= 64:  # the quantizer's outputs go to the kernel as they are
+        assert not re.search(r"stablehlo\.pad\b[^\n]*->\s*tensor<[^>]*f8E4M3FN", hlo), "a pad of e4m3 values"
+        m_pad, kb = max(8, -(-m // 8) * 8), 2  # K = 256: the transposed scales are [2, m_pad]
+        assert not re.search(rf"stablehlo\.transpose\b[^\n]*->\s*tensor<{kb}x{m_pad}xf32>", hlo), \
+            "XLA transposes the scales"
     # leading dims count as rows: [2, 150, K] is a 300-row GEMM
     assert launches(_cuda(lambda *a: linear.w8a8_block_matmul(*a), *_linear_args(150, lead=(2,)))) == \
-        collections.Counter({quant: 1, "mosaic:fp8_blockwise_gemm_wgmma": 1})
+        collections.Counter({"triton:fp8_blockwise_quant": 1, "mosaic:fp8_blockwise_gemm_wgmma": 1})
     with registry.kernel_mode_scope("xla"):  # kernels off: no launch at all (the quantizer is XLA's too)
         assert launches(_cuda(lambda *a: linear.w8a8_block_matmul(*a), *_linear_args(m))) == collections.Counter()
 
@@ -599,7 +607,8 @@ def test_on_gpu_linear_auto_runs_the_chosen_kernel_and_matches_float64(m):
     hlo = f.lower(*args).as_text()
     # the swap-AB decode kernel or the Mosaic GEMM, and the activation quantization kernel, no other
     gemm = "mosaic:fp8_decode_gemm_swapab_wgmma" if m <= 64 else "mosaic:fp8_blockwise_gemm_wgmma"
-    assert launches(hlo) == collections.Counter({"triton:fp8_blockwise_quant": 1, gemm: 1}), launches(hlo)
+    quant = "triton:fp8_decode_operand_quant" if m <= 64 else "triton:fp8_blockwise_quant"
+    assert launches(hlo) == collections.Counter({quant: 1, gemm: 1}), launches(hlo)
     y = f(*args)
     assert y.devices() == {dev}
     assert _rel(y, _f64_linear(x, wq, ws)[0]) < GPU_RTOL

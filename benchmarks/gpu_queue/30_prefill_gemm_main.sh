@@ -8,10 +8,9 @@ echo "30_prefill_gemm_main: start"
 if ! python3 -c "import jax, sys; sys.exit(jax.devices()[0].platform != 'gpu')"; then
   echo "30_prefill_gemm_main: no GPU in this process: skipped"; exit 0
 fi
-# the kernel's configuration per shape: 21_autotune_prefill's table when it ran before (its cache, read only), else
-# the default (no tuning inside this script's 60 s)
-tuned="${OUT:-/tmp}/../21_autotune_prefill/autotuning"
-if [[ -d "$tuned" ]]; then export FP8RL_AUTOTUNE=cached FP8RL_AUTOTUNE_CACHE="$tuned"; else export FP8RL_AUTOTUNE=off; fi
+# the kernel's configuration per shape: what the quick run's autotune stage measured (run_gpu.sh exports its cache
+# with FP8RL_AUTOTUNE=cached), else the shipped tables or the default; never tuning inside this script's 60 s
+[[ ${FP8RL_AUTOTUNE:-} == cached || ${FP8RL_AUTOTUNE:-} == off ]] || export FP8RL_AUTOTUNE=cached
 echo "30_prefill_gemm_main: FP8RL_AUTOTUNE=$FP8RL_AUTOTUNE"
 python3 -u -m fp8rl_jax.kernels.mosaic_gemm --m 4096 --iters 10 2>&1 | tee "${OUT:-/tmp}/mosaic_gemm.txt"
 rc=${PIPESTATUS[0]}

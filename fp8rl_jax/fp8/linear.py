@@ -4,8 +4,10 @@
 (DeepSeek-V3 / DeepGEMM / vLLM ``w8a8_block_fp8_matmul``). Lowered for the CPU (or any non-CUDA platform) this is
 evaluated as ``dequant(xq) @ dequant(wq).T`` in float32, which is the same sum (only the order of fp32 additions
 differs); lowered for CUDA it runs kernels on real e4m3 operands, picked by the number of rows M
-(:func:`fp8rl_jax.fp8.dot_general.cuda_gemm_impl`, the one place): the activations are quantized once
-(:func:`~fp8rl_jax.kernels.pallas_quant.quantize_activation_groupwise_dispatch`: the Pallas kernel on CUDA), then
+(:func:`fp8rl_jax.fp8.dot_general.cuda_gemm_impl`, the one place): the activations are quantized once (a Pallas
+kernel of the ``quant`` family on CUDA: :func:`~fp8rl_jax.kernels.pallas_quant.quantize_activation_for_decode`, in
+the decode kernel's layout, for ``M <= 64``; :func:`~fp8rl_jax.kernels.pallas_quant.
+quantize_activation_groupwise_dispatch` above), then
 for ``M <= 64`` rows (decode) the swap-AB split-K Mosaic GPU kernel (:mod:`fp8rl_jax.kernels.decode_gemm_mgpu`,
 kernel family ``decode_gemm``; e5m2 weights: the Triton kernel of :mod:`fp8rl_jax.kernels.pallas_decode`, which
 quantizes in its prologue), above that the Mosaic GPU GEMM on Hopper's FP8 tensor cores (``wgmma...e4m3.e4m3``,
@@ -15,6 +17,7 @@ and ``FP8RL_KERNELS`` apply (:func:`fp8rl_jax.kernels.registry.choose`).
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -39,9 +42,11 @@ def w8a8_block_matmul(x: jnp.ndarray, weight: jnp.ndarray, weight_scale_inv: jnp
     weight, eps)`` first RMS-normalizes the rows as :class:`fp8rl_jax.models.layers.RMSNorm` computes it
     (``(weight * (x * rsqrt(sum_sq / K + eps))).astype(x.dtype)`` in float32, ``sum_sq [..., 1]`` = ``sum(x**2)``);
     ``gated=True`` takes ``weight`` as a fused ``[gate; up]`` and returns ``silu(gate) * up``; ``residual`` is added
-    to the result (``residual + y``). Lowered for CUDA with ``M <= 64`` rows they run inside the decode kernel
-    (:func:`fp8rl_jax.kernels.pallas_decode.fused_w8a8_decode_matmul`: one launch instead of up to four); elsewhere
-    they are the separate ops.
+    to the result (``residual + y``). Lowered for CUDA with ``M <= 64`` rows and e4m3 weights (the swap-AB decode
+    kernel) the normalization and the padding of the tokens fuse into one XLA fusion before the decode operand
+    quantizer, and ``silu(gate) * up`` and the residual into the XLA reduction of the kernel's split-K partials;
+    with e5m2 weights they run inside the Triton decode kernel
+    (:func:`fp8rl_jax.kernels.pallas_decode.fused_w8a8_decode_matmul`); elsewhere they are the separate ops.
 
     Args:
       x: ``[..., K]`` activations (float32/bfloat16); quantized here to e4m3 in 1 x ``block_size`` groups
@@ -87,12 +92,40 @@ def w8a8_block_matmul(x: jnp.ndarray, weight: jnp.ndarray, weight_scale_inv: jnp
             kernel = "fused"  # the swap-AB kernel is e4m3 x e4m3 in 128-blocks; the Triton decode kernel takes the rest
         eps = None if norm is None else float(norm[2])  # static; the arrays go through choose
         extra = (None if norm is None else tuple(norm[:2]), residual)
-        return choose(family, x, weight, weight_scale_inv, extra,
-                      kernel=lambda *a: _with_neighbours(*a, block_size, out_dtype, kernel, gated, eps,
-                                                         interpret=False),
-                      xla=lambda *a: _with_neighbours(*a, block_size, out_dtype, "dequant", gated, eps))
+        return _auto(x, weight, weight_scale_inv, extra, family=family, block_size=block_size,
+                     out_dtype=jnp.dtype(out_dtype), kernel=kernel, gated=gated, eps=eps,
+                     state=_choice_state(family, kernel))
     return _with_neighbours(x, weight, weight_scale_inv, (None if norm is None else tuple(norm[:2]), residual),
                             block_size, out_dtype, impl, gated, None if norm is None else float(norm[2]))
+
+
+def _choice_state(family: str | None, kernel: str) -> tuple:
+    """What the trace of :func:`_auto` reads besides its arguments, as its cache key: whether the family's kernel
+    (``family`` None: XLA's own CUDA path, always) and, for the paths that quantize with it (``swapab``, ``mosaic``),
+    the ``quant`` kernel are allowed (``FP8RL_KERNELS``, their self-tests, run here if not yet, where the trace would
+    have run them), the CUDA device the tuner times on (kind and SMs), and the tuner's mode, tables' root and
+    generation (:func:`fp8rl_jax.kernels.tuner.generation`, advanced by ``reset``). Anything else a test changes
+    (a monkeypatched kernel function) needs ``jax.clear_caches()``."""
+    from fp8rl_jax.kernels import registry, tuner
+
+    use = family is None or registry.use_kernel(family)
+    dev = registry.cuda_device()
+    return (use, use and kernel in ("swapab", "mosaic") and registry.use_kernel("quant"),
+            None if dev is None else (str(dev.device_kind), getattr(dev, "core_count", None)),
+            tuner.autotune_mode(), str(tuner.cache_root()), tuner.generation())
+
+
+@functools.partial(jax.jit, static_argnames=("family", "block_size", "out_dtype", "kernel", "gated", "eps", "state"))
+def _auto(x, weight, weight_scale_inv, extra, *, family, block_size, out_dtype, kernel, gated, eps, state):
+    """:func:`w8a8_block_matmul`'s ``"auto"`` choice, as one jitted call: the 36 layers of a Qwen3-8B engine trace
+    (and lower) each (shape, neighbours) case once instead of once per layer (issue 37 item 5: 1.5 s less of the
+    FP8 program's trace and lower at 36 layers; XLA inlines the calls, so the compiled program is the same).
+    ``state`` (:func:`_choice_state`) keys the cache on everything else the trace reads."""
+    del state
+    return choose(family, x, weight, weight_scale_inv, extra,
+                  kernel=lambda *a: _with_neighbours(*a, block_size, out_dtype, kernel, gated, eps,
+                                                     interpret=False),
+                  xla=lambda *a: _with_neighbours(*a, block_size, out_dtype, "dequant", gated, eps))
 
 
 def _with_neighbours(x, weight, weight_scale_inv, extra, block_size, out_dtype, impl, gated, eps, interpret=None):
@@ -150,24 +183,12 @@ def _matmul(x, weight, weight_scale_inv, block_size, out_dtype, impl, interpret=
         cuda = True
     else:  # an explicit kernel impl: by the platform the program is lowered for
         cuda = None
-    xq, xs = quantize_activation_groupwise_dispatch(x2, block_size, fp8_dtype=jnp.dtype(weight.dtype),
-                                                    fp8_max=float(jnp.finfo(weight.dtype).max), cuda=cuda)
     ws = weight_scale_inv.astype(jnp.float32)
     if impl == "swapab":  # decode: the swap-AB split-K kernel; its split sums reduce in XLA (with the neighbours)
-        from fp8rl_jax.kernels.registry import on_cuda
-        from fp8rl_jax.kernels.decode_gemm_mgpu import decode_w8a8_matmul
-
-        if jnp.dtype(weight.dtype) != jnp.dtype(jnp.float8_e4m3fn) or xq.shape[1] > 64:
-            raise ValueError(f"w8a8_block_matmul(impl='swapab') takes e4m3 weights and at most 64 rows, got "
-                             f"{weight.dtype} and {xq.shape[1]} rows")
-
-        def run(interp):
-            return lambda a, b, c, d: decode_w8a8_matmul(a, b, c, d, interpret=interp)
-
-        args = (xq[0], xs[0], weight, ws)
-        y = run(bool(interpret))(*args) if interpret is not None else on_cuda(*args, cuda=run(False),
-                                                                               default=run(True))
-    elif impl == "mosaic":  # the kernel's epilogue writes out_dtype from its float32 accumulator
+        return _swapab(x2[0], weight, ws, block_size, cuda, interpret).reshape(*lead, n).astype(out_dtype)
+    xq, xs = quantize_activation_groupwise_dispatch(x2, block_size, fp8_dtype=jnp.dtype(weight.dtype),
+                                                    fp8_max=float(jnp.finfo(weight.dtype).max), cuda=cuda)
+    if impl == "mosaic":  # the kernel's epilogue writes out_dtype from its float32 accumulator
         y = scaled_matmul(xq, xs, weight[None], None, block_size=block_size, impl="mosaic", w_block_scales=ws[None],
                           out_dtype=out_dtype, interpret=interpret)
     elif impl == "pallas":
@@ -177,3 +198,29 @@ def _matmul(x, weight, weight_scale_inv, block_size, out_dtype, impl, interpret=
         ws_rows = jnp.repeat(ws, block_size, axis=0)[:n]
         y = scaled_matmul(xq, xs, weight[None], ws_rows[None], block_size=block_size, impl=impl)
     return y.reshape(*lead, n).astype(out_dtype)
+
+
+def _swapab(x, weight, ws, block_size, cuda, interpret):
+    """``[M, K] -> [M, N]`` float32 by the swap-AB decode kernel, its activations quantized straight into the
+    kernel's layout (:func:`~fp8rl_jax.kernels.pallas_quant.quantize_activation_for_decode`: zero-padded token rows,
+    transposed scales; no pad launches) and its split-K partials summed by XLA (fused with the neighbours)."""
+    from fp8rl_jax.kernels.decode_gemm_mgpu import decode_w8a8_partials_t, padded_tokens
+    from fp8rl_jax.kernels.pallas_quant import quantize_activation_for_decode
+    from fp8rl_jax.kernels.registry import on_cuda
+
+    m = x.shape[0]
+    n = weight.shape[0]
+    if jnp.dtype(weight.dtype) != jnp.dtype(jnp.float8_e4m3fn) or m > 64 or block_size != BLOCK_SIZE:
+        raise ValueError(f"w8a8_block_matmul(impl='swapab') takes e4m3 weights in {BLOCK_SIZE}-blocks and at most "
+                         f"64 rows, got {weight.dtype}, block {block_size} and {m} rows")
+    m_pad = padded_tokens(m)
+    # the interpreter (a CPU) checks the kernel's own quantizer too; the portable path is bit-identical to it
+    xq_p, xs_t = quantize_activation_for_decode(x, m_pad, cuda=cuda, interpret=True if interpret else None)
+
+    def run(interp):
+        return lambda a, b, c, d: decode_w8a8_partials_t(a, b, c, d, m=m, interpret=interp)
+
+    args = (xq_p, xs_t, weight, ws)
+    parts = run(bool(interpret))(*args) if interpret is not None else on_cuda(*args, cuda=run(False),
+                                                                               default=run(True))
+    return jnp.sum(parts, axis=0)[:n, :m].T

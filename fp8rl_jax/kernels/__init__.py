@@ -33,5 +33,7 @@ measured their replacements. The older modules keep their ``pallas_*`` / ``mosai
 ``fp8rl_jax/fp8/`` unchanged). Timing ``main`` functions (``python -m fp8rl_jax.kernels.<module>``, ``--smoke`` for
 a CPU run in interpret mode): ``decode_gemm_mgpu``, ``mosaic_gemm``, ``pallas_quant``, ``pallas_attention`` and
 ``pallas_grouped``, each against XLA's path; the two kept baselines (``pallas_gemm``, ``pallas_decode``) are timed by
-``benchmarks/bench_fp8_matmul.py`` and ``benchmarks/gpu_queue/10_decode_gemm_ab.py``.
+``benchmarks/bench_fp8_matmul.py`` and ``benchmarks/gpu_queue/10_decode_gemm_ab.py``, and the grouped decode GEMM
+(``decode_grouped_mgpu``, no ``main`` of its own: its timing needs the MoE block's tile layout and routed rows
+around it) by ``benchmarks/gpu_queue/12_grouped_decode_ab.py``.
 """

@@ -10,14 +10,18 @@ kept at most 2 steps in flight per program and ran f16 ``mma.sync``; on an H200 
   operand (64 rows per compute warpgroup, K-major in shared memory), the tokens ``[M_pad, K]`` are its B operand
   through ``transpose_ref`` (K-major too, as e4m3 wgmma requires), ``N_wgmma = M_pad``, a multiple of 8 (8..64):
   ``wgmma.mma_async...m64n{M_pad}k32.f32.e4m3.e4m3``. No token padding to 64 or 16: at M = 1 the B tile is 8 rows;
-* **activations quantized once per layer, outside the kernel** (1x128 groups, the ``quant`` family's kernel after
-  the RMSNorm that produces them, :func:`fp8rl_jax.kernels.pallas_quant.quantize_activation_groupwise_dispatch`):
-  the K loop holds no division, no amax, no cast: per K block it issues 4 wgmma instructions,
+* **activations quantized once per layer, outside the kernel** (1x128 groups, the ``quant`` family's decode
+  operand quantizer after the RMSNorm that produces them,
+  :func:`fp8rl_jax.kernels.pallas_quant.quantize_activation_for_decode`, which writes the zero-padded tokens and
+  the transposed scales this kernel reads, :func:`decode_w8a8_partials_t`: no pad or transpose launch between
+  them): the K loop holds no division, no amax, no cast: per K block it issues 4 wgmma instructions,
   reads one weight-scale scalar and an ``[M_pad]`` token-scale row, and promotes (``acc += p * (ws * xs)``:
   ``M_pad / 2`` FMAs per thread);
-* **a TMA ring** of ``stages`` K blocks (default 6): per stage ``128 * 64 * compute_wgs`` weight bytes (16 KiB with
-  two warpgroups) + ``128 * M_pad`` token bytes + ``4 * M_pad`` scale bytes; 6 stages keep ~96 KiB of weight in
-  flight per CTA, over the ~24-48 KiB per SM that Little's law asks for at 3.35-4.8 TB/s and ~0.7 us latency;
+* **a TMA ring** of ``stages`` K blocks (:func:`choose_config`: 4 to 8, 8 on every Qwen3-8B split-K shape, where
+  the split's K blocks allow): per stage ``128 * 64 * compute_wgs`` weight bytes (16 KiB with two warpgroups) +
+  ``128 * M_pad`` token bytes + ``4 * M_pad`` scale bytes; a ring never holds more than its split's K blocks, and
+  :func:`roofline` counts what it holds against the ~24-48 KiB per SM that Little's law asks for at 3.35-4.8 TB/s
+  and ~0.7 us latency;
 * **split-K** over a ``(N / (64 * compute_wgs), splits)`` grid (:func:`choose_config` picks ``splits``, a divisor
   of the K-block count, for the best wave efficiency on 132 SMs with the CTAs that fit per SM); each CTA writes its
   float32 partial ``[64 * compute_wgs, M_pad]`` to ``partials[split]``. The reduction over splits (and the SwiGLU
@@ -57,7 +61,7 @@ from jax import lax
 
 from fp8rl_jax.fp8.formats import BLOCK_SIZE
 from fp8rl_jax.kernels.mosaic_gemm import (HOPPER_SMEM_BYTES, SMEM_MARGIN_BYTES, WG_ROWS, _interpret_params, _pad_to,
-                                       _swizzled, check_operands)
+                                       XLA_CANDIDATE, _swizzled, check_operands, xla_w8a8_product)
 
 #: SMs of an H100 SXM / H200 (both 132)
 HOPPER_SMS = 132
@@ -67,6 +71,9 @@ HOPPER_SMEM_PER_SM = 233472
 MAX_TOKENS = 64
 #: Little's law at 4.8 TB/s and ~0.7 us of memory latency, per SM: the bytes each SM must have in flight (24 KiB)
 MIN_BYTES_IN_FLIGHT_PER_SM = 24576
+#: the least share of a wave's CTA slots that must be busy (issue 37 item 4; the kernel's goal is 0.95). Both
+#: thresholds are :mod:`fp8rl_jax.kernel_roofline`'s checks of the compiled kernel (tested equal)
+MIN_WAVE_EFFICIENCY = 0.9
 
 
 def padded_tokens(m: int) -> int:
@@ -257,7 +264,7 @@ def choose_config(n: int, k: int, m: int, sms: int = HOPPER_SMS, max_stages: int
                 key = rank(cfg)
                 if best_key is None or key > best_key:
                     best, best_key = cfg, key
-    if not stream_k or roofline(best, n, k, m, sms).wave_efficiency >= 0.9:
+    if not stream_k or roofline(best, n, k, m, sms).wave_efficiency >= MIN_WAVE_EFFICIENCY:
         return best
     for wgs in ((2, 1) if n % 128 == 0 else (1,)):
         for stages in range(4, max_stages + 1):
@@ -274,8 +281,13 @@ def choose_config(n: int, k: int, m: int, sms: int = HOPPER_SMS, max_stages: int
 def candidate_configs(n: int, k: int, m: int) -> list[DecodeGemmConfig]:
     """The configurations the on-device tuner times for a shape (the first is :func:`choose_config`'s, the default):
     its neighbours with a 4-stage ring, twice and half the splits (when they divide the K blocks), the other
-    warpgroup count, and the best split-K where the default is stream-K; only valid ones, no duplicates."""
+    warpgroup count, and the best split-K where the default is stream-K; only valid ones, no duplicates, and only
+    those that pass issue 37 item 4's arithmetic checks (:func:`roofline`: wave efficiency >=
+    :data:`MIN_WAVE_EFFICIENCY`, bytes in flight per SM >= :data:`MIN_BYTES_IN_FLIGHT_PER_SM`) wherever the default
+    passes them (every Qwen3-8B and 30B-A3B decode shape), so a configuration the tuner ships never fails a check
+    the default passes; a shape too small to fill the GPU (tests) keeps every neighbour."""
     base = choose_config(n, k, m)
+    base_r = roofline(base, n, k, m)
     m_pad, kb = padded_tokens(m), -(-k // BLOCK_SIZE)
     out = [base]
     for cfg in (dataclasses.replace(base, stages=4), dataclasses.replace(base, splits=base.splits * 2),
@@ -287,22 +299,28 @@ def candidate_configs(n: int, k: int, m: int) -> list[DecodeGemmConfig]:
             cfg.validate(m_pad, kb, n)
         except ValueError:
             continue
+        r = roofline(cfg, n, k, m)
+        if ((r.wave_efficiency < MIN_WAVE_EFFICIENCY <= base_r.wave_efficiency)
+                or (r.bytes_in_flight_per_sm < MIN_BYTES_IN_FLIGHT_PER_SM <= base_r.bytes_in_flight_per_sm)):
+            continue
         out.append(cfg)
     return out
 
 
-def tuned_config(n: int, k: int, m: int) -> DecodeGemmConfig:
+def tuned_config(n: int, k: int, m: int) -> DecodeGemmConfig | None:
     """The configuration for a decode GEMM in this process: on a CUDA device, the fastest of
-    :func:`candidate_configs` as timed by :func:`fp8rl_jax.kernels.tuner.select` (op ``"decode_gemm"``, key
-    ``N``, ``K`` and the M bucket; ``FP8RL_AUTOTUNE`` / ``train.autotune`` decide whether it times, reads the
-    shipped and cached tables, or keeps the default); elsewhere (no GPU, a deviceless compile) :func:`choose_config`'s,
-    which is also every candidate's reference."""
+    :func:`candidate_configs` and XLA's own path (:func:`fp8rl_jax.kernels.mosaic_gemm.xla_w8a8_product`, candidate
+    ``"xla"``; issue 37 item 3) as timed by :func:`fp8rl_jax.kernels.tuner.select` (op ``"decode_gemm"``, key ``N``,
+    ``K`` and the M bucket; ``FP8RL_AUTOTUNE`` / ``train.autotune`` decide whether it times, reads the shipped and
+    cached tables, or keeps the default); None when XLA's path measured fastest (the decode functions then compute
+    the product that way); elsewhere (no GPU, a deviceless compile) :func:`choose_config`'s, which is also every
+    candidate's reference."""
     from fp8rl_jax.kernels import tuner
 
-    cands = candidate_configs(n, k, m)
-    if len(cands) == 1:
-        return cands[0]
     mb = min(MAX_TOKENS, tuner.m_bucket(m))
+    # the candidates of the bucket's largest M: one candidate set per tuner key, whatever M of the bucket asks first
+    # (valid for every M of it: a smaller token tile only needs less shared memory)
+    cands = candidate_configs(n, k, mb)
 
     def make_args():
         import numpy as np
@@ -317,9 +335,12 @@ def tuned_config(n: int, k: int, m: int) -> DecodeGemmConfig:
     def runner(cfg):
         return lambda xq, xs, wq, ws: decode_w8a8_matmul(xq, xs, wq, ws, config=cfg)
 
+    # candidates differ only in the float32 order of the K-block sums (~1e-7 relative): 1e-3 catches a lost or
+    # doubled block (~1e-2 at these K) with room to spare
+    xla = tuner.Candidate(XLA_CANDIDATE, None, xla_w8a8_product)
     chosen = tuner.select("decode_gemm", {"N": n, "K": k, "M<=": mb},
-                          [tuner.Candidate(_config_name(c), c, runner(c), family="decode_gemm") for c in cands],
-                          make_args)
+                          [tuner.Candidate(_config_name(c), c, runner(c), family="decode_gemm") for c in cands] + [xla],
+                          make_args, tolerance=1e-3)
     return chosen.config
 
 
@@ -534,12 +555,20 @@ def stream_k_gather(tiles: int, kb: int, per: int):
 @functools.partial(jax.jit, static_argnames=("cfg", "interpret"))
 def _partials(xq, xs, wq, ws, *, cfg, interpret):
     m, _ = xq.shape
-    n = wq.shape[0]
     kb = xs.shape[1]
-    kp = kb * BLOCK_SIZE
     m_pad = padded_tokens(m)
+    return _partials_t(_pad_to(xq, (m_pad, kb * BLOCK_SIZE)), _pad_to(xs.T, (kb, m_pad)), wq, ws, cfg=cfg,
+                       interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "interpret"))
+def _partials_t(xq_p, xs_t, wq, ws, *, cfg, interpret):
+    """The kernel on operands already in its layout: ``xq_p [m_pad, kb*128]``, ``xs_t [kb, m_pad]``."""
+    m_pad, kp = xq_p.shape
+    kb = xs_t.shape[0]
+    n = wq.shape[0]
     np_ = -(-n // cfg.cta_n) * cfg.cta_n
-    args = (_pad_to(wq, (np_, kp)), _pad_to(xq, (m_pad, kp)), _pad_to(xs.T, (kb, m_pad)), ws)
+    args = (_pad_to(wq, (np_, kp)), xq_p, xs_t, ws)
     if not cfg.stream_k_ctas:
         return _build(np_, m_pad, kb, cfg, _interpret_params(interpret))(*args)
     tiles = np_ // cfg.cta_n
@@ -565,12 +594,60 @@ def decode_w8a8_partials(xq: jax.Array, xs: jax.Array, wq: jax.Array, ws: jax.Ar
     m_pad = padded_tokens(m)
     if config is None:  # measured on the device where a GPU is in this process (the tuner), by arithmetic elsewhere
         cfg = tuned_config(n, kb * BLOCK_SIZE, m) if interpret is False else choose_config(n, kb * BLOCK_SIZE, m)
+        if cfg is None:  # XLA's own path measured fastest: its product as one "split"
+            return _xla_partials(xq, xs, wq, ws, m_pad)
     else:
         cfg = config
     cfg.validate(m_pad, kb, n)
     if not isinstance(interpret, bool):
         _interpret_params(interpret)
     return _partials(xq, xs.astype(jnp.float32), wq, ws.astype(jnp.float32), cfg=cfg, interpret=interpret)
+
+
+def _xla_partials(xq, xs, wq, ws, m_pad: int) -> jax.Array:
+    """XLA's product in the partials' layout: float32 ``[1, N, m_pad]`` (rows of ``xq`` beyond its own zero)."""
+    y = xla_w8a8_product(xq, xs, wq, ws)  # [rows, N]
+    return _pad_to(y.T, (wq.shape[0], m_pad))[None]
+
+
+def decode_w8a8_partials_t(xq_p: jax.Array, xs_t: jax.Array, wq: jax.Array, ws: jax.Array, *, m: int,
+                           interpret=False, config: DecodeGemmConfig | None = None) -> jax.Array:
+    """:func:`decode_w8a8_partials` on activations already in the kernel's layout, as
+    :func:`fp8rl_jax.kernels.pallas_quant.quantize_activation_for_decode` writes them (no pad or transpose left
+    for XLA to launch): float32 ``[splits, N_pad, m_pad]``, ``sum(partials, 0)[:N, :m].T`` the product.
+
+    Args:
+      xq_p: ``[m_pad, ceil(K/128)*128]`` e4m3, rows ``m..m_pad`` zero; ``m_pad = padded_tokens(m)``.
+      xs_t: ``[ceil(K/128), m_pad]`` float32 activation ``scale_inv``, transposed.
+      wq, ws: as :func:`decode_w8a8_matmul`.
+      m: the real token count (the tuner's M bucket and the configuration's check).
+      interpret, config: as :func:`decode_w8a8_matmul`.
+
+    Raises:
+      ValueError: ``m`` outside 1..64, ``xq_p`` / ``xs_t`` not ``[padded_tokens(m), kb*128]`` / ``[kb, m_pad]``
+        e4m3 / float32 with ``kb = ceil(K/128)`` of ``wq``, the weight checks of :func:`decode_w8a8_matmul`.
+    """
+    m_pad = padded_tokens(m)
+    n, k = wq.shape
+    kb = -(-k // BLOCK_SIZE)
+    if tuple(xq_p.shape) != (m_pad, kb * BLOCK_SIZE) or jnp.dtype(xq_p.dtype) != jnp.dtype(jnp.float8_e4m3fn):
+        raise ValueError(f"decode_w8a8_partials_t: xq_p must be e4m3 [{m_pad}, {kb * BLOCK_SIZE}] (padded tokens, "
+                         f"whole K blocks) for m={m} and wq {tuple(wq.shape)}, got {xq_p.dtype} {tuple(xq_p.shape)}")
+    if tuple(xs_t.shape) != (kb, m_pad) or not jnp.issubdtype(xs_t.dtype, jnp.floating):
+        raise ValueError(f"decode_w8a8_partials_t: xs_t must be float32 [{kb}, {m_pad}] (transposed scales), got "
+                         f"{xs_t.dtype} {tuple(xs_t.shape)}")
+    check_operands(jax.ShapeDtypeStruct((m, k), xq_p.dtype), jax.ShapeDtypeStruct((m, kb), xs_t.dtype), wq, ws,
+                   BLOCK_SIZE, "decode_w8a8_partials_t")
+    if config is None:
+        cfg = tuned_config(n, kb * BLOCK_SIZE, m) if interpret is False else choose_config(n, kb * BLOCK_SIZE, m)
+        if cfg is None:  # XLA's own path measured fastest: its product as one "split"
+            return _xla_partials(xq_p[:, :k], xs_t.T, wq, ws, m_pad)
+    else:
+        cfg = config
+    cfg.validate(m_pad, kb, n)
+    if not isinstance(interpret, bool):
+        _interpret_params(interpret)
+    return _partials_t(xq_p, xs_t.astype(jnp.float32), wq, ws.astype(jnp.float32), cfg=cfg, interpret=interpret)
 
 
 def decode_w8a8_matmul(xq: jax.Array, xs: jax.Array, wq: jax.Array, ws: jax.Array, *, out_dtype=jnp.float32,

@@ -225,6 +225,108 @@ def quantize_activation_groupwise_dispatch(x: jax.Array, group_size: int = BLOCK
     return kernel(x) if cuda and use_kernel("quant") else xla(x)
 
 
+def _decode_quant_kernel(x_ref, q_ref, st_ref, *, fp8_dtype, fp8_max, recipe, ptx):
+    """One 128-wide K group of ``br`` (padded) token rows: ``x_ref`` (br, 128) -> ``q_ref`` (br, 128) fp8 and
+    ``st_ref`` (br,) float32, their part of that group's row of the transposed scales. The same operations as
+    :func:`_quant_tile_kernel` per row."""
+    xt = x_ref[...]
+    amax = block_amax(xt, 1, ptx=ptx)  # (m_pad,)
+    s = compute_scale(amax, fp8_max, False, recipe=recipe, ptx=ptx)
+    q_ref[...] = scale_values(xt.astype(jnp.float32), s[:, None], fp8_dtype, fp8_max, recipe=recipe, ptx=ptx)
+    st_ref[...] = s
+
+
+@functools.partial(jax.jit, static_argnames=("m_pad", "interpret"))
+def _pallas_quantize_for_decode(x, *, m_pad, interpret):
+    m, k = x.shape
+    kb = -(-k // BLOCK_SIZE)
+    # zero rows and columns up to whole tiles (XLA fuses the pad into the producer of x); every tile then lies
+    # inside its arrays, as in _pallas_quantize_3d
+    x = jnp.pad(x, ((0, m_pad - m), (0, kb * BLOCK_SIZE - k))) if (m_pad, kb * BLOCK_SIZE) != (m, k) else x
+    kernel = functools.partial(_decode_quant_kernel, fp8_dtype=jnp.dtype(E4M3), fp8_max=E4M3_MAX,
+                               recipe=ACTIVATION_RECIPE, ptx=not interpret)
+    # rows per program: the largest power of two dividing m_pad, at most 32 (Triton's blocks are powers of two;
+    # m_pad is a multiple of 8, so 24 or 40 tokens take blocks of 8 rows and no block overhangs an array)
+    br = min(32, m_pad & -m_pad)
+    kwargs = {}
+    if not interpret:
+        from jax.experimental.pallas import triton as plgpu
+
+        kwargs["compiler_params"] = plgpu.CompilerParams(num_warps=4, num_stages=1)
+    return pl.pallas_call(
+        kernel,
+        grid=(m_pad // br, kb),
+        in_specs=[pl.BlockSpec((br, BLOCK_SIZE), lambda i, j: (i, j))],
+        out_specs=[pl.BlockSpec((br, BLOCK_SIZE), lambda i, j: (i, j)),
+                   pl.BlockSpec((pl.squeezed, br), lambda i, j: (j, i))],
+        out_shape=[jax.ShapeDtypeStruct((m_pad, kb * BLOCK_SIZE), jnp.dtype(E4M3)),
+                   jax.ShapeDtypeStruct((kb, m_pad), jnp.float32)],
+        interpret=interpret,
+        name="fp8_decode_operand_quant",
+        **kwargs,
+    )(x)
+
+
+def _jnp_quantize_for_decode(x, m_pad: int):
+    """The portable form of :func:`quantize_activation_for_decode`: the jnp quantizer, then zero padding and the
+    scales' transpose as XLA ops."""
+    m, k = x.shape
+    kb = -(-k // BLOCK_SIZE)
+    q, s = _quantize_groups(x, group_size=BLOCK_SIZE, ue8m0=False, fp8_dtype=jnp.dtype(E4M3), fp8_max=E4M3_MAX,
+                            recipe=ACTIVATION_RECIPE)
+    q = jnp.pad(q, ((0, m_pad - m), (0, kb * BLOCK_SIZE - k)))
+    # a padded row's scale: what the kernel computes for a row of zeros (the floored amax over 448); it multiplies
+    # only zeros
+    zero = compute_scale(jnp.zeros((1,), jnp.float32), E4M3_MAX, False, recipe=ACTIVATION_RECIPE)
+    s = jnp.concatenate([s, jnp.broadcast_to(zero[:, None], (m_pad - m, kb))], axis=0) if m_pad > m else s
+    return q, s.T
+
+
+def quantize_activation_for_decode(x: jax.Array, m_pad: int, *, cuda: bool | None = None,
+                                   interpret: bool | None = None) -> tuple[jax.Array, jax.Array]:
+    """The decode GEMM's input quantizer: ``M <= m_pad`` token rows, 1 x 128 e4m3 groups (vLLM ``QuantFP8`` native
+    rounding, ``formats.ACTIVATION_RECIPE``: the values of :func:`quantize_activation_groupwise_dispatch`), written
+    straight in the layout the swap-AB decode kernel reads (:func:`fp8rl_jax.kernels.decode_gemm_mgpu.
+    decode_w8a8_partials_t`): the values zero-padded to ``m_pad`` rows and whole 128-column groups, the scales
+    transposed. One launch where there were three (the quantizer, then XLA's pads of the values and of the
+    transposed scales; issue 37 item 1).
+
+    Args:
+      x: ``[M, K]`` float activations (bf16 or float32), ``M <= m_pad``.
+      m_pad: the kernel's token count (:func:`fp8rl_jax.kernels.decode_gemm_mgpu.padded_tokens`: a multiple of 8,
+        at most 64).
+      cuda: as :func:`quantize_activation_groupwise_dispatch`: True (the caller is the CUDA branch of a choice:
+        the kernel where the ``quant`` family's self-test passed, else jnp), False (jnp), None (both staged,
+        :func:`fp8rl_jax.kernels.registry.choose`).
+      interpret: forces the kernel: True in Pallas' interpreter (tests on the CPU), False compiled (a CUDA
+        lowering); overrides ``cuda``. None: ``cuda`` decides.
+
+    Returns:
+      ``(xq [m_pad, ceil(K/128)*128] e4m3, xs_t [ceil(K/128), m_pad] float32)``; rows ``M..m_pad`` hold zeros and
+      the scale of a zero row (the floored amax over 448), which multiplies only zeros.
+
+    Raises:
+      ValueError: ``x`` not 2-D or not float, ``m_pad`` below ``M``, above 64 or not a multiple of 8.
+    """
+    _require("quantize_activation_for_decode", x, 2)
+    m = x.shape[0]
+    if not (m <= m_pad <= 64 and m_pad % 8 == 0):
+        raise ValueError(f"quantize_activation_for_decode: m_pad must be a multiple of 8 in [M, 64] = [{m}, 64], "
+                         f"got {m_pad}")
+
+    def kernel(a):
+        return _pallas_quantize_for_decode(a, m_pad=int(m_pad), interpret=False)
+
+    def xla(a):
+        return _jnp_quantize_for_decode(a, int(m_pad))
+
+    if interpret is not None:  # forced: the interpreter, or the compiled kernel
+        return _pallas_quantize_for_decode(x, m_pad=int(m_pad), interpret=bool(interpret))
+    if cuda is None:
+        return choose("quant", x, kernel=kernel, xla=xla)
+    return kernel(x) if cuda and use_kernel("quant") else xla(x)
+
+
 def _as_items(weights):
     if isinstance(weights, Mapping):
         return list(weights.items()), "mapping"
@@ -479,6 +581,17 @@ def _selftest_quant() -> None:
         if dq or ds:
             raise KernelMismatch(f"{'activation' if per_row else 'weight'} {shape} {jnp.dtype(dtype).name}: {dq} of "
                                  f"{q.size} e4m3 values and {ds} of {s.size} scales differ from the reference")
+    # the decode GEMM's operand quantizer: 20 tokens padded to 24 (three 8-row blocks), ragged K (its layout: padded
+    # values, transposed scales), against the jnp quantizer's values padded and transposed on the CPU
+    w = rng.standard_normal((20, 300)).astype(np.float32) * np.logspace(-3, 2, 300, dtype=np.float32)
+    x = jnp.asarray(w, jnp.bfloat16)
+    q, st = _pallas_quantize_for_decode(x, m_pad=24, interpret=False)
+    rq, rst = _jnp_quantize_for_decode(jax.device_put(np.asarray(x), cpu), 24)
+    dq = int(np.sum(np.asarray(q).view(np.uint8) != np.asarray(rq).view(np.uint8)))
+    ds = int(np.sum(np.asarray(st) != np.asarray(rst)))
+    if dq or ds or q.shape != rq.shape or st.shape != rst.shape:
+        raise KernelMismatch(f"decode operand quantizer (20, 300) bfloat16 -> {tuple(q.shape)}, {tuple(st.shape)}: "
+                             f"{dq} e4m3 values and {ds} scales differ from the reference")
 
 
 register_selftest("quant", _selftest_quant)

@@ -33,6 +33,7 @@ import concurrent.futures
 import contextlib
 import os
 import threading
+import time
 import warnings
 from collections.abc import Callable
 
@@ -62,6 +63,7 @@ _mode_override: str | None = None
 _selftests: dict[str, Callable[[], None]] = {}
 _results: dict[str, bool] = {}
 _failures: dict[str, str] = {}
+_selftest_s: dict[str, float] = {}  # family -> wall seconds its self-test took in this process (passed or not)
 
 
 def _check_mode(mode: str, source: str) -> str:
@@ -194,6 +196,7 @@ def selftest_passed(family: str) -> bool:
         dev = cuda_device()
         if dev is None:
             return True
+        t0 = time.perf_counter()
         try:
             _run_selftest(family, dev)
             ok = True
@@ -204,8 +207,18 @@ def selftest_passed(family: str) -> bool:
             warnings.warn(f"fp8rl: the {FAMILIES[family]} failed its self-test on {dev.device_kind} ({msg}); this "
                           f"process uses XLA's path for it instead. {ENV_VAR}=pallas forces the kernel, "
                           f"{ENV_VAR}=xla uses XLA for every kernel.", RuntimeWarning, stacklevel=3)
+        finally:
+            _selftest_s[family] = time.perf_counter() - t0
         _results[family] = ok
         return ok
+
+
+def selftest_seconds() -> dict[str, float]:
+    """``{family: seconds}``: wall-clock seconds each self-test run in this process took (compiling and running it on
+    the device, passed or failed); empty where none ran (no GPU, or ``FP8RL_KERNELS=xla|pallas``). A program's first
+    call pays these once per process, inside its trace (:func:`choose`), so a first-call time less their sum is
+    the compile (``benchmarks/bench_rollout.py``'s ``first_call_compile_s``)."""
+    return dict(_selftest_s)
 
 
 def selftest_failures() -> dict[str, str]:
@@ -267,5 +280,5 @@ def run_pallas(fn: Callable, *args, interpret: bool | None = None, **kwargs):
 
 
 __all__ = ["FAMILIES", "MODES", "ENV_VAR", "kernel_mode", "set_kernel_mode", "kernel_mode_scope", "register_selftest",
-           "KernelMismatch", "check_close", "cuda_device", "selftest_passed", "selftest_failures", "use_kernel", "choose", "on_cuda",
-           "run_pallas"]
+           "KernelMismatch", "check_close", "cuda_device", "selftest_passed", "selftest_seconds", "selftest_failures",
+           "use_kernel", "choose", "on_cuda", "run_pallas"]

@@ -127,6 +127,7 @@ _table_memo: dict[str, tuple] = {}  # path -> ((path, mtime_ns, size), entries):
 _report: dict[tuple[str, str], dict] = {}  # (op, canonical key) -> what select() did, for report()
 _spent_s = 0.0
 _budget_warned = False
+_generation = 0
 _warned: set[str] = set()
 _progress: Callable[[str], None] | None = None
 
@@ -161,8 +162,9 @@ def set_autotune_mode(mode: str | None) -> None:
     Raises:
       ValueError: an unknown mode (the message names ``train.autotune`` and ``FP8RL_AUTOTUNE``).
     """
-    global _mode_override
+    global _mode_override, _generation
     _mode_override = None if mode is None else _check_mode(str(mode).strip().lower(), "train.autotune")
+    _generation += 1
 
 
 @contextlib.contextmanager
@@ -195,15 +197,31 @@ def budget_s() -> float:
     return value
 
 
+def spent_s() -> float:
+    """Seconds this process has spent tuning on the device (compiling, checking and timing candidates): what the
+    budget (:func:`budget_s`) is charged. Tuning runs inside the trace of the first program that uses a key, so a
+    first-call time less this (and less :func:`fp8rl_jax.kernels.registry.selftest_seconds`) is the compile
+    (``benchmarks/bench_rollout.py``'s ``first_call_compile_s``). 0.0 without a GPU or with ``FP8RL_AUTOTUNE=off``."""
+    with _lock:
+        return _spent_s
+
+
 def set_progress(callback: Callable[[str], None] | None) -> None:
     """Send each progress line (one per tuned key) to ``callback`` instead of stderr (None: stderr again)."""
     global _progress
     _progress = callback
 
 
+def generation() -> int:
+    """A counter :func:`reset` and :func:`set_autotune_mode` advance: part of the cache key of a jitted function
+    whose trace asks the tuner (:func:`fp8rl_jax.fp8.linear.w8a8_block_matmul`), so a reset retraces it."""
+    return _generation
+
+
 def reset() -> None:
     """Forget this process's choices, report, spent budget and one-time warnings (tests; a new engine config)."""
-    global _spent_s, _budget_warned
+    global _spent_s, _budget_warned, _generation
+    _generation += 1
     with _lock:
         _memo.clear()
         _table_memo.clear()
@@ -352,6 +370,31 @@ def _write_entry(path: Path, op: str, device_kind: str, ckey: str, entry: dict) 
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
             raise
+
+
+def export_table(op: str, device_kind: str, out_root) -> Path | None:
+    """Write the table to ship for ``op`` on ``device_kind``: ``<out_root>/<device_kind>/<op>.json``, the shipped
+    table's entries (:func:`shipped_table_path`) with this process's user-cache entries (:func:`user_cache_path`,
+    this JAX version) merged over them, in the shipped tables' schema. What a GPU run's autotune stage
+    (``benchmarks/autotune_sweep.py``) leaves to be copied into ``fp8rl_jax/kernels/data/autotuning/``.
+
+    Returns:
+      the path written, or None when the user cache holds no entry for ``op`` (nothing was tuned).
+
+    Raises:
+      OSError: ``out_root`` cannot be written.
+    """
+    user = _read_table(user_cache_path(op, device_kind), op)
+    if not user:
+        return None
+    out = Path(out_root) / sanitize_device_kind(device_kind) / f"{op}.json"
+    with _lock:
+        for table in (_read_table(shipped_table_path(op, device_kind), op), user):
+            for ckey, versions in sorted(table.items()):
+                for ver, entry in sorted(versions.items()):
+                    if isinstance(entry, dict):  # filed under its version's key, as select() reads it
+                        _write_entry(out, op, device_kind, ckey, dict(entry, jax_version=ver))
+    return out
 
 
 def _version_tuple(v: str) -> tuple:
@@ -827,6 +870,7 @@ def format_report() -> str:
 
 
 __all__ = ["MODES", "ENV_VAR", "DEFAULT_MODE", "CACHE_ENV_VAR", "BUDGET_ENV_VAR", "TIMER_ENV_VAR", "TIMERS",
-           "Candidate", "autotune_mode", "set_autotune_mode", "autotune_mode_scope", "budget_s", "set_progress",
-           "reset", "m_bucket", "canonical_key", "sanitize_device_kind", "cache_root", "user_cache_path",
-           "shipped_table_path", "timing_loop", "wall_timer", "cupti_timer", "select", "report", "format_report"]
+           "Candidate", "autotune_mode", "set_autotune_mode", "autotune_mode_scope", "budget_s", "spent_s",
+           "set_progress", "generation", "reset", "m_bucket", "canonical_key", "sanitize_device_kind", "cache_root",
+           "user_cache_path", "shipped_table_path", "export_table", "timing_loop", "wall_timer", "cupti_timer",
+           "select", "report", "format_report"]
