@@ -592,16 +592,23 @@ def decode_w8a8_partials(xq: jax.Array, xs: jax.Array, wq: jax.Array, ws: jax.Ar
     if jnp.dtype(xq.dtype) != jnp.dtype(jnp.float8_e4m3fn):
         raise ValueError(f"decode_w8a8_matmul: e4m3 operands only (vLLM's W8A8), got {xq.dtype}")
     m_pad = padded_tokens(m)
+    cfg = _config_for(config, n, kb, m, interpret)
+    if cfg is None:  # XLA's own path measured fastest: its product as one "split"
+        return _xla_partials(xq, xs, wq, ws, m_pad)
+    return _partials(xq, xs.astype(jnp.float32), wq, ws.astype(jnp.float32), cfg=cfg, interpret=interpret)
+
+
+def _config_for(config, n: int, kb: int, m: int, interpret) -> DecodeGemmConfig | None:
+    """``config`` checked, or (None given) the tuner's choice on a GPU (None: XLA's path), :func:`choose_config`'s
+    in the interpreter; validated for ``padded_tokens(m)`` tokens and ``kb`` K blocks."""
     if config is None:  # measured on the device where a GPU is in this process (the tuner), by arithmetic elsewhere
-        cfg = tuned_config(n, kb * BLOCK_SIZE, m) if interpret is False else choose_config(n, kb * BLOCK_SIZE, m)
-        if cfg is None:  # XLA's own path measured fastest: its product as one "split"
-            return _xla_partials(xq, xs, wq, ws, m_pad)
-    else:
-        cfg = config
-    cfg.validate(m_pad, kb, n)
+        config = tuned_config(n, kb * BLOCK_SIZE, m) if interpret is False else choose_config(n, kb * BLOCK_SIZE, m)
+        if config is None:
+            return None
+    config.validate(padded_tokens(m), kb, n)
     if not isinstance(interpret, bool):
         _interpret_params(interpret)
-    return _partials(xq, xs.astype(jnp.float32), wq, ws.astype(jnp.float32), cfg=cfg, interpret=interpret)
+    return config
 
 
 def _xla_partials(xq, xs, wq, ws, m_pad: int) -> jax.Array:
@@ -638,15 +645,9 @@ def decode_w8a8_partials_t(xq_p: jax.Array, xs_t: jax.Array, wq: jax.Array, ws: 
                          f"{xs_t.dtype} {tuple(xs_t.shape)}")
     check_operands(jax.ShapeDtypeStruct((m, k), xq_p.dtype), jax.ShapeDtypeStruct((m, kb), xs_t.dtype), wq, ws,
                    BLOCK_SIZE, "decode_w8a8_partials_t")
-    if config is None:
-        cfg = tuned_config(n, kb * BLOCK_SIZE, m) if interpret is False else choose_config(n, kb * BLOCK_SIZE, m)
-        if cfg is None:  # XLA's own path measured fastest: its product as one "split"
-            return _xla_partials(xq_p[:, :k], xs_t.T, wq, ws, m_pad)
-    else:
-        cfg = config
-    cfg.validate(m_pad, kb, n)
-    if not isinstance(interpret, bool):
-        _interpret_params(interpret)
+    cfg = _config_for(config, n, kb, m, interpret)
+    if cfg is None:  # XLA's own path measured fastest: its product as one "split"
+        return _xla_partials(xq_p[:, :k], xs_t.T, wq, ws, m_pad)
     return _partials_t(xq_p, xs_t.astype(jnp.float32), wq, ws.astype(jnp.float32), cfg=cfg, interpret=interpret)
 
 
