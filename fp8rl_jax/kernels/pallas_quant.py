@@ -230,7 +230,7 @@ def _decode_quant_kernel(x_ref, q_ref, st_ref, *, fp8_dtype, fp8_max, recipe, pt
     ``st_ref`` (br,) float32, their part of that group's row of the transposed scales. The same operations as
     :func:`_quant_tile_kernel` per row."""
     xt = x_ref[...]
-    amax = block_amax(xt, 1, ptx=ptx)  # (m_pad,)
+    amax = block_amax(xt, 1, ptx=ptx)  # (br,)
     s = compute_scale(amax, fp8_max, False, recipe=recipe, ptx=ptx)
     q_ref[...] = scale_values(xt.astype(jnp.float32), s[:, None], fp8_dtype, fp8_max, recipe=recipe, ptx=ptx)
     st_ref[...] = s
@@ -272,14 +272,10 @@ def _jnp_quantize_for_decode(x, m_pad: int):
     scales' transpose as XLA ops."""
     m, k = x.shape
     kb = -(-k // BLOCK_SIZE)
-    q, s = _quantize_groups(x, group_size=BLOCK_SIZE, ue8m0=False, fp8_dtype=jnp.dtype(E4M3), fp8_max=E4M3_MAX,
-                            recipe=ACTIVATION_RECIPE)
-    q = jnp.pad(q, ((0, m_pad - m), (0, kb * BLOCK_SIZE - k)))
-    # a padded row's scale: what the kernel computes for a row of zeros (the floored amax over 448); it multiplies
-    # only zeros
-    zero = compute_scale(jnp.zeros((1,), jnp.float32), E4M3_MAX, False, recipe=ACTIVATION_RECIPE)
-    s = jnp.concatenate([s, jnp.broadcast_to(zero[:, None], (m_pad - m, kb))], axis=0) if m_pad > m else s
-    return q, s.T
+    # the padded rows are quantized as the kernel quantizes them: zeros, with a zero row's scale
+    q, s = _quantize_groups(jnp.pad(x, ((0, m_pad - m), (0, 0))), group_size=BLOCK_SIZE, ue8m0=False,
+                            fp8_dtype=jnp.dtype(E4M3), fp8_max=E4M3_MAX, recipe=ACTIVATION_RECIPE)
+    return jnp.pad(q, ((0, 0), (0, kb * BLOCK_SIZE - k))), s.T
 
 
 def quantize_activation_for_decode(x: jax.Array, m_pad: int, *, cuda: bool | None = None,
